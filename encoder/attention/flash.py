@@ -1,0 +1,94 @@
+"""Varlen attention on the flash-attn packages: FA2 (`flash_attn`) and FA3 (`flash_attn_interface`).
+
+Both take packed [S, H, D] tensors with `cu_seqlens_q/k` and `max_seqlen_q/k`, exactly our layout,
+and are fp16/bf16 only. Neither package is a hard dependency: each backend reports why it is
+unavailable when its import fails. The packages are imported lazily (first `unavailable_reason`
+or call), so importing this module never pays for, or fails on, a CUDA extension load.
+
+Output: when the installed `flash_attn_varlen_func` accepts `out=`, we pass ours and the kernel
+writes only rows inside segments. Otherwise its result is a fresh `empty_like` tensor whose rows
+past `cu_seqlens[-1]` (bucket padding) are uninitialised, so only real rows, selected on the
+device, are copied into `out`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+
+from .base import AttentionBackend
+from .torch_varlen import _keep_real_rows
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class _FlashVarlenBase(AttentionBackend):
+    _module: str = ""  # package exposing flash_attn_varlen_func
+    _min_capability: tuple[int, int] = (8, 0)
+    # per class: (function, accepts out=) or the import error text; filled on first use
+    _loaded: tuple | str | None = None
+
+    @classmethod
+    def _load(cls) -> tuple | str:
+        if cls._loaded is None:
+            try:
+                fn = importlib.import_module(cls._module).flash_attn_varlen_func
+            except (ImportError, AttributeError, OSError) as exc:
+                # OSError: the extension's shared library fails to load (CUDA / torch ABI mismatch)
+                cls._loaded = f"{cls._module} is not importable ({type(exc).__name__}: {exc})"
+            else:
+                try:
+                    takes_out = "out" in inspect.signature(fn).parameters
+                except (TypeError, ValueError):  # builtins without a signature
+                    takes_out = False
+                cls._loaded = (fn, takes_out)
+        return cls._loaded
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        loaded = cls._load()
+        if isinstance(loaded, str):
+            return loaded
+        if not torch.cuda.is_available():
+            return f"{cls._module} needs a CUDA device"
+        return None
+
+    def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return f"{self.name} runs only on CUDA"
+        if dtype not in _DTYPES:
+            return f"{self.name} supports fp16/bf16 only, not {dtype}"
+        if head_dim > 256 or head_dim % 8:
+            return f"{self.name} needs head_dim a multiple of 8 and <= 256, got {head_dim}"
+        cap = torch.cuda.get_device_capability(device)
+        if cap < self._min_capability:
+            return f"{self.name} needs compute capability >= {self._min_capability}, device has {cap}"
+        return None
+
+    def forward(self, q, k, v, cu_seqlens, max_seqlen, out):
+        fn, takes_out = self._load()
+        # the kernels require unit stride on the head dim
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        if takes_out and out.stride(-1) == 1:
+            fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, out=out)
+            return out
+        result = fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        if isinstance(result, tuple):  # some FA3 releases return (out, softmax_lse)
+            result = result[0]
+        return _keep_real_rows(out, result, cu_seqlens)
+
+
+class FlashAttn2(_FlashVarlenBase):
+    name = "flash_attn"
+    _module = "flash_attn"
+    _loaded = None
+
+
+class FlashAttn3(_FlashVarlenBase):
+    name = "fa3"
+    _module = "flash_attn_interface"
+    _min_capability = (9, 0)  # FA3 kernels are Hopper-only (wgmma / TMA)
+    _loaded = None

@@ -1,0 +1,142 @@
+"""Loading vision towers from local Hugging Face checkpoint directories (safetensors only).
+
+Accepted layouts: `config.json` of a full VLM (its `vision_config` is used) or of a vision tower
+alone; weights in `model.safetensors` or shards listed in `model.safetensors.index.json`; vision
+weights under `visual.`, `model.visual.` or at the top level (a vision tower saved alone). Only
+the vision tensors are read, so a 7B VLM checkpoint costs the tower's bytes, not the LLM's.
+Pickled weights (`*.bin`, `*.pt`) are refused: unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .config import VisionConfig, from_hf_dict
+from .errors import CheckpointError, ConfigError
+
+_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def load_config(directory: Path) -> VisionConfig:
+    raw = read_json(directory / "config.json")
+    vision = raw.get("vision_config")
+    try:
+        if isinstance(vision, dict):
+            return from_hf_dict(vision, model_type=raw.get("model_type"))
+        return from_hf_dict(raw)
+    except ConfigError as exc:
+        raise CheckpointError(f"{directory / 'config.json'}: {exc}") from None
+
+
+def weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    single = directory / "model.safetensors"
+    if single.exists():
+        return [single]
+    pickled = sorted(p.name for p in directory.glob("*") if p.suffix in {".bin", ".pt", ".pth", ".ckpt"})
+    if pickled:
+        raise CheckpointError(
+            f"{directory}: only pickled weights found ({', '.join(pickled)}); safetensors are required "
+            "(convert with transformers' save_pretrained(safe_serialization=True))"
+        )
+    raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from None
+
+
+def read_vision_state(directory: Path, expected: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of the vision tower, keyed by our parameter names (prefix removed)."""
+    files = weight_files(directory)
+    located: dict[str, list[tuple[Path, str]]] = {p: [] for p in _PREFIXES}
+    for path in files:
+        with _open(path) as f:
+            for key in f.keys():
+                for prefix in _PREFIXES:
+                    if key.startswith(prefix) and key[len(prefix) :] in expected:
+                        located[prefix].append((path, key))
+    # the prefix under which the tower lives: the one holding most of the expected names
+    prefix = max(_PREFIXES, key=lambda p: len(located[p]))
+    if not located[prefix]:
+        raise CheckpointError(
+            f"{directory}: no vision tower weights found (looked for keys like "
+            f"'visual.{next(iter(sorted(expected)))}' or 'model.visual.…')"
+        )
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for path, key in located[prefix]:
+        by_file.setdefault(path, []).append(key)
+    for path, keys in by_file.items():
+        with _open(path) as f:
+            for key in keys:
+                try:
+                    state[key[len(prefix) :]] = f.get_tensor(key)
+                except (SafetensorError, OSError, ValueError) as exc:
+                    raise CheckpointError(f"{path}: tensor {key!r} is unreadable ({exc})") from None
+    _check_unexpected(directory, files, prefix, expected)
+    return state
+
+
+def _check_unexpected(directory: Path, files: list[Path], prefix: str, expected: set[str]) -> None:
+    """Keys under the vision prefix that the model does not have are an error (wrong model)."""
+    # with no prefix (a tower saved alone) every key belongs to the tower
+    extra = []
+    for path in files:
+        with _open(path) as f:
+            extra += [k for k in f.keys() if k.startswith(prefix) and k[len(prefix) :] not in expected]
+    # non-persistent buffers some exporters still write are harmless
+    extra = [k for k in extra if not k.endswith("inv_freq")]
+    if extra:
+        shown = ", ".join(sorted(extra)[:5])
+        raise CheckpointError(f"{directory}: unexpected vision weights not in the model: {shown}")
+
+
+def load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Copy the checkpoint's vision weights into `model`, checking names and shapes."""
+    params = dict(model.state_dict())
+    state = read_vision_state(directory, set(params))
+    missing = sorted(set(params) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5])
+        raise CheckpointError(f"{directory}: missing vision weights ({len(missing)}): {shown}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            target = params[name]
+            # the patch embedding is a Conv3d [D, C, T, P, P] in checkpoints, a linear [D, C*T*P*P] here
+            if tensor.shape != target.shape and tensor.numel() == target.numel() and "patch_embed" in name:
+                tensor = tensor.reshape(target.shape)
+            if tensor.shape != target.shape:
+                raise CheckpointError(
+                    f"{directory}: weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the config expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)

@@ -1,0 +1,364 @@
+"""Image preprocessing for Qwen2-VL / Qwen2.5-VL vision towers, equal to transformers' PIL processor.
+
+The pipeline is split so the service can ship compact data between processes:
+
+    load_image (bytes / PIL / array -> RGB PIL)  ->  resize_image (-> uint8 HWC at the smart_resize size)
+    ->  patchify (uint8 torch tensor on any device -> float32 patches in the Hugging Face order)
+
+`preprocess` runs all three and returns a `PatchBatch` whose `pixel_values` / `grid_thw` match
+`Qwen2VLImageProcessorPil` output. Details that matter for exactness (all mirrored from transformers 5.x):
+  * RGB conversion: images with an alpha band or a `transparency` entry are alpha-composited onto white;
+    everything else goes through PIL's `convert("RGB")` (so I;16 / I / F values saturate at 255, CMYK
+    uses PIL's naive formula). Arrays with 4 channels are blended in float64 and rounded.
+  * Resize: PIL bicubic on the uint8 RGB image, `reducing_gap=None`.
+  * Rescale in float64 then cast to float32; normalise in float32. `patchify` uses a 256-entry lookup
+    table per channel built that way, so results are bit-identical on CPU and need no float64 on device.
+Untrusted bytes are checked before full decode: format allowlist, header size (decompression bombs).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from encoder.errors import ConfigError, ImageDecodeError, ImageTooLargeError, InvalidImageError
+from encoder.patch_batch import PatchBatch
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+DEFAULT_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"})
+# Pillow reports multi-picture JPEGs (most phone cameras) as "MPO"; they are JPEG files to users.
+_FORMAT_ALIASES = {"MPO": "JPEG"}
+
+
+class PreprocessConfig(BaseModel):
+    """Preprocessing settings; defaults are those of Qwen2-VL / Qwen2.5-VL checkpoints."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_pixels: int = Field(
+        56 * 56, gt=0, description="Lower bound on resized height*width (HF shortest_edge)."
+    )
+    max_pixels: int = Field(
+        28 * 28 * 1280, gt=0, description="Upper bound on resized height*width (HF longest_edge)."
+    )
+    patch_size: int = Field(14, gt=0, description="Spatial patch side of the vision tower, in pixels.")
+    temporal_patch_size: int = Field(2, gt=0, description="Frames per patch; a still image is repeated.")
+    merge_size: int = Field(
+        2, gt=0, description="Patches merged per side; resized sides are multiples of P*m."
+    )
+    image_mean: tuple[float, float, float] = Field(OPENAI_CLIP_MEAN, description="Per-channel RGB mean.")
+    image_std: tuple[float, float, float] = Field(OPENAI_CLIP_STD, description="Per-channel RGB std (> 0).")
+    max_aspect_ratio: float = Field(
+        200.0, ge=1.0, description="Longer/shorter side ratio above which images are rejected (HF: 200)."
+    )
+    max_image_pixels: int = Field(
+        100_000_000,
+        gt=0,
+        description="Limit on width*height of the DECODED input (before resize), read from the file header "
+        "before decoding, so decompression bombs are refused without allocating. Pillow's own bomb check "
+        "(error above 2*PIL.Image.MAX_IMAGE_PIXELS, ~179 MP) applies on top of this.",
+    )
+    allowed_formats: frozenset[str] = Field(
+        DEFAULT_FORMATS, description="Pillow format names accepted for encoded bytes (upper case)."
+    )
+
+    @field_validator("image_std")
+    @classmethod
+    def _std_positive(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
+        if any(s <= 0 for s in v):
+            raise ValueError(f"image_std must be > 0, got {v}")
+        return v
+
+    @field_validator("allowed_formats")
+    @classmethod
+    def _known_formats(cls, v: frozenset[str]) -> frozenset[str]:
+        Image.init()
+        v = frozenset(f.upper() for f in v)
+        unknown = sorted(v - set(Image.OPEN))
+        if not v or unknown:
+            raise ValueError(f"allowed_formats must be non-empty Pillow format names; unknown: {unknown}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> PreprocessConfig:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) > max_pixels ({self.max_pixels})")
+        return self
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this (patch_size * merge_size)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], **overrides: Any) -> PreprocessConfig:
+        """Build from a Hugging Face `preprocessor_config.json` dict; unknown keys are ignored.
+
+        Top-level `min_pixels`/`max_pixels` win over `size` (as in transformers). Known switches we cannot
+        honour (no resize/rescale/normalise, other rescale factor or resample) raise ConfigError rather
+        than silently producing different pixels. Invalid values also raise ConfigError.
+        """
+        _reject_unsupported(d)
+        size = d.get("size") or {}
+        if not isinstance(size, dict):
+            raise ConfigError(f"preprocessor config 'size' must be a dict, got {size!r}")
+        picks = {
+            "min_pixels": _first(d.get("min_pixels"), size.get("shortest_edge"), size.get("min_pixels")),
+            "max_pixels": _first(d.get("max_pixels"), size.get("longest_edge"), size.get("max_pixels")),
+        }
+        for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
+            picks[key] = d.get(key)
+        kwargs = {k: v for k, v in picks.items() if v is not None} | overrides
+        try:
+            return cls(**kwargs)
+        except ValidationError as e:
+            raise ConfigError(f"invalid preprocessor config: {e}") from e
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _reject_unsupported(d: dict[str, Any]) -> None:
+    for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+        if d.get(flag) is False:
+            raise ConfigError(f"preprocessor config sets {flag}=false, which this encoder does not support")
+    if d.get("rescale_factor") is not None and not math.isclose(d["rescale_factor"], 1 / 255):
+        raise ConfigError(f"unsupported rescale_factor {d['rescale_factor']} (only 1/255)")
+    if d.get("resample") not in (None, int(Image.Resampling.BICUBIC)):
+        raise ConfigError(f"unsupported resample {d['resample']} (only 3 = bicubic)")
+
+
+DEFAULT_CONFIG = PreprocessConfig()
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def load_image(x: Any, cfg: PreprocessConfig = DEFAULT_CONFIG) -> Image.Image:
+    """Decode/convert one input to an RGB PIL image (EXIF orientation applied for PIL/bytes inputs)."""
+    if isinstance(x, bytes | bytearray | memoryview):
+        img = _decode(bytes(x), cfg)
+    elif isinstance(x, Image.Image):
+        _check_size(x.width, x.height, cfg)
+        img = x
+    elif isinstance(x, np.ndarray):
+        return _from_array(x, cfg)
+    elif isinstance(x, str):
+        raise InvalidImageError("got a str; paths and URLs are not accepted, pass the encoded image bytes")
+    else:
+        raise InvalidImageError(
+            f"unsupported image type {type(x).__name__}; expected bytes, PIL.Image.Image or uint8 numpy array"
+        )
+    return _to_rgb(_exif_transpose(img))
+
+
+def _check_size(width: int, height: int, cfg: PreprocessConfig) -> None:
+    if width <= 0 or height <= 0:
+        raise InvalidImageError(f"image has zero size ({width}x{height})")
+    if width * height > cfg.max_image_pixels:
+        raise ImageTooLargeError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {cfg.max_image_pixels}"
+        )
+
+
+def _decode(data: bytes, cfg: PreprocessConfig) -> Image.Image:
+    if not data:
+        raise ImageDecodeError("image bytes are empty")
+    try:
+        img = Image.open(io.BytesIO(data))  # parses the header only
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        # The warning only arrives as an exception if the caller's warning filters say so; we never
+        # touch the (process-global, thread-unsafe) filters ourselves.
+        raise ImageTooLargeError(f"image refused as a decompression bomb: {e}") from e
+    except Exception as e:  # Pillow plugins raise many types on garbage input
+        raise ImageDecodeError(f"cannot identify image data ({len(data)} bytes): {e}") from e
+    fmt = _FORMAT_ALIASES.get(img.format or "", img.format)
+    if fmt not in cfg.allowed_formats:
+        raise ImageDecodeError(
+            f"image format {img.format} is not allowed (allowed: {', '.join(sorted(cfg.allowed_formats))})"
+        )
+    _check_size(img.width, img.height, cfg)  # before .load(): nothing big allocated yet
+    try:
+        img.load()  # Image.open is lazy; force the full decode so truncation is caught here
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageTooLargeError(f"image refused as a decompression bomb: {e}") from e
+    except Exception as e:
+        raise ImageDecodeError(f"{img.format} image is truncated or corrupt: {e}") from e
+    return img
+
+
+def _exif_transpose(img: Image.Image) -> Image.Image:
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception:
+        # Broken EXIF metadata should not make an otherwise good image unusable (viewers ignore it too).
+        return img
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """RGB conversion with the same rule as transformers' convert_to_rgb for PIL images."""
+    try:
+        if "A" in img.getbands() or img.info.get("transparency") is not None:
+            rgba = img.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return img.convert("RGB")
+    except (ValueError, OSError) as e:
+        raise InvalidImageError(f"cannot convert image of mode {img.mode} to RGB: {e}") from e
+
+
+def _from_array(arr: np.ndarray, cfg: PreprocessConfig) -> Image.Image:
+    if arr.dtype != np.uint8:
+        raise InvalidImageError(f"image arrays must have dtype uint8, got {arr.dtype}")
+    if arr.ndim == 2:
+        arr = arr[:, :, None]
+    if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
+        raise InvalidImageError(f"image arrays must be HxW or HxWxC with C in 1/3/4, got shape {arr.shape}")
+    _check_size(arr.shape[1], arr.shape[0], cfg)
+    if arr.shape[2] == 1:
+        arr = np.repeat(arr, 3, axis=2)
+    elif arr.shape[2] == 4:
+        # Same float64 blend onto white and rounding as transformers' array path (differs by up to 1
+        # from PIL's integer alpha_composite, so a PIL RGBA image and its array are not interchangeable).
+        alpha = arr[:, :, 3:] / 255
+        arr = np.round(alpha * arr[:, :, :3] + (1 - alpha) * 255).astype(np.uint8)
+    return Image.fromarray(np.ascontiguousarray(arr))
+
+
+# ----------------------------------------------------------------------------------------- resizing
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 1280,
+    max_aspect_ratio: float = 200.0,
+) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, area within [min_pixels, max_pixels], aspect kept.
+
+    Same arithmetic as transformers' smart_resize (Python's banker's `round`, same operation order), so
+    the sizes agree exactly; raises InvalidImageError for empty sizes or extreme aspect ratios.
+    """
+    if height <= 0 or width <= 0:
+        raise InvalidImageError(f"image has zero size ({width}x{height})")
+    ratio = max(height, width) / min(height, width)
+    if ratio > max_aspect_ratio:
+        raise InvalidImageError(
+            f"aspect ratio {ratio:.1f}:1 of a {width}x{height} image exceeds the limit {max_aspect_ratio:g}:1"
+        )
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def _target_size(height: int, width: int, cfg: PreprocessConfig) -> tuple[int, int]:
+    return smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels, cfg.max_aspect_ratio)
+
+
+def resize_image(img: Image.Image, cfg: PreprocessConfig = DEFAULT_CONFIG) -> np.ndarray:
+    """Resize an RGB PIL image (from `load_image`) to its smart_resize size: uint8 array [H, W, 3]."""
+    if not isinstance(img, Image.Image) or img.mode != "RGB":
+        raise InvalidImageError("resize_image expects an RGB PIL image; call load_image first")
+    h, w = _target_size(img.height, img.width, cfg)
+    # transformers resizes the uint8 RGB image with PIL bicubic and no reducing_gap.
+    resized = img.resize((w, h), resample=Image.Resampling.BICUBIC, reducing_gap=None)
+    return np.array(resized, dtype=np.uint8)
+
+
+def num_patches(height: int, width: int, cfg: PreprocessConfig = DEFAULT_CONFIG) -> int:
+    """Patches (grid t*h*w) an image of this original size yields; no decoding needed."""
+    h, w = _target_size(height, width, cfg)
+    return (h // cfg.patch_size) * (w // cfg.patch_size)
+
+
+# ----------------------------------------------------------------------------------------- patches
+
+
+@lru_cache(maxsize=32)
+def _normalise_lut(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """[3*256] float32: normalised value of byte v in channel c at index c*256+v.
+
+    Built with transformers' arithmetic (v * (1/255) in float64, cast to float32, then float32
+    (x - mean) / std), so a gather reproduces its output bit for bit on any device.
+    """
+    scaled = (torch.arange(256, dtype=torch.float64) * (1 / 255)).to(torch.float32)
+    m = torch.tensor(mean, dtype=torch.float32)[:, None]
+    s = torch.tensor(std, dtype=torch.float32)[:, None]
+    return ((scaled[None, :] - m) / s).reshape(-1).to(device)
+
+
+def patchify(pixels: torch.Tensor, cfg: PreprocessConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """uint8 [H, W, 3] (sides multiples of P*m) -> float32 [(H/P)*(W/P), 3*T*P*P] on the same device.
+
+    Rows are ordered by merge block (row-major), then within a block; columns are (C, T, P, P).
+    """
+    if isinstance(pixels, np.ndarray):
+        pixels = torch.from_numpy(pixels)
+    _check_pixels(pixels, cfg)
+    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    height, width, _ = pixels.shape
+    gh, gw = height // p, width // p
+    lut = _normalise_lut(cfg.image_mean, cfg.image_std, pixels.device)
+    channel_offset = torch.arange(3, device=pixels.device) * 256
+    values = lut[pixels.long() + channel_offset]  # [H, W, 3] float32
+    blocks = values.view(gh // m, m, p, gw // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
+    # -> (block row, block col, row in block, col in block, C, py, px); a still image fills all T frames.
+    frames = blocks.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
+    return frames.reshape(gh * gw, cfg.patch_dim)
+
+
+def _check_pixels(pixels: torch.Tensor, cfg: PreprocessConfig) -> None:
+    if not isinstance(pixels, torch.Tensor) or pixels.dtype != torch.uint8:
+        raise InvalidImageError(
+            f"patchify expects a uint8 tensor, got {getattr(pixels, 'dtype', type(pixels))}"
+        )
+    if pixels.dim() != 3 or pixels.shape[2] != 3:
+        raise InvalidImageError(f"patchify expects shape [H, W, 3], got {tuple(pixels.shape)}")
+    h, w, _ = pixels.shape
+    if h == 0 or w == 0 or h % cfg.factor or w % cfg.factor:
+        raise InvalidImageError(f"patchify needs non-zero sides, multiples of {cfg.factor}; got {h}x{w}")
+
+
+def patchify_many(pixels: list[torch.Tensor], cfg: PreprocessConfig = DEFAULT_CONFIG) -> PatchBatch:
+    """Patchify several uint8 images and concatenate; grid_thw is int64 on the CPU (host metadata)."""
+    patches = [patchify(x, cfg) for x in pixels]
+    sizes = [(1, x.shape[0] // cfg.patch_size, x.shape[1] // cfg.patch_size) for x in pixels]
+    grid = torch.tensor(sizes, dtype=torch.int64).reshape(-1, 3)
+    return PatchBatch(torch.cat(patches) if patches else torch.zeros(0, cfg.patch_dim), grid)
+
+
+def preprocess(images: Any, cfg: PreprocessConfig = DEFAULT_CONFIG) -> PatchBatch:
+    """One input or a list of inputs (any kind `load_image` accepts) -> PatchBatch, equal to HF's output."""
+    items = list(images) if isinstance(images, list | tuple) else [images]
+    arrays = []
+    for i, x in enumerate(items):
+        try:
+            arrays.append(torch.from_numpy(resize_image(load_image(x, cfg), cfg)))
+        except (ImageDecodeError, InvalidImageError) as e:
+            if len(items) == 1:
+                raise
+            raise type(e)(f"image {i}: {e}") from e
+    return patchify_many(arrays, cfg)

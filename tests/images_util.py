@@ -1,0 +1,63 @@
+"""Test image generators: seeded random content, encoders for each format, crafted hostile files."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+from PIL import Image
+
+
+def rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def random_array(height: int, width: int, channels: int | None = 3, seed: int = 0) -> np.ndarray:
+    """Random uint8 noise, HxW (channels=None) or HxWxC; noise is a harsh test for resampling."""
+    shape = (height, width) if channels is None else (height, width, channels)
+    return rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def random_image(mode: str, height: int, width: int, seed: int = 0) -> Image.Image:
+    """A random PIL image of the given mode (RGB, L, P, RGBA, LA, CMYK, I;16, 1)."""
+    if mode in ("RGB", "RGBA", "CMYK", "LA"):
+        channels = {"RGB": 3, "RGBA": 4, "CMYK": 4, "LA": 2}[mode]
+        data = random_array(height, width, channels, seed)
+        return Image.frombytes(mode, (width, height), data.tobytes())
+    if mode == "L":
+        return Image.fromarray(random_array(height, width, None, seed))
+    if mode == "P":
+        return random_image("RGB", height, width, seed).quantize(64)
+    if mode == "I;16":
+        # Values up to 1000 so some exceed 255: exercises PIL's saturating I;16 -> RGB conversion.
+        return Image.fromarray(rng(seed).integers(0, 1000, (height, width), dtype=np.uint16))
+    if mode == "1":
+        return random_image("L", height, width, seed).convert("1")
+    raise ValueError(mode)
+
+
+def encode(img: Image.Image, fmt: str, **save_kwargs) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **save_kwargs)
+    return buf.getvalue()
+
+
+def jpeg_with_orientation(height: int, width: int, orientation: int, seed: int = 0) -> bytes:
+    """JPEG whose stored pixels are HxW but whose EXIF says to display rotated/flipped."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encode(random_image("RGB", height, width, seed), "JPEG", quality=90, exif=exif.tobytes())
+
+
+def _png_chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def png_bomb_header(width: int, height: int) -> bytes:
+    """A tiny PNG whose IHDR claims width x height RGB; its pixel data is far too short to decode."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * 64)
+    chunks = _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", idat) + _png_chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + chunks

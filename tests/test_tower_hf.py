@@ -1,0 +1,94 @@
+"""The towers against Hugging Face transformers on checkpoints it wrote (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import hf_tokens, write_checkpoint
+
+import encoder
+from encoder.geometry import compute_meta, count_windows, frames_of
+
+FAMILIES = ["qwen2_5_vl", "qwen2_vl"]
+LAYOUTS = ["full", "full-sharded", "vision-sharded"]
+# (t, h, w) in patches: square, wide, tall, the minimum, windows that do not divide the grid
+GRIDS = [[1, 8, 8], [1, 4, 12], [1, 18, 6], [1, 2, 2], [1, 20, 22], [1, 10, 26]]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(scope="module", params=[(f, lay) for f in FAMILIES for lay in LAYOUTS], ids=lambda p: "-".join(p))
+def checkpoint(request, tmp_path_factory):
+    family, layout = request.param
+    directory = tmp_path_factory.mktemp(f"{family}-{layout}")
+    tower = write_checkpoint(directory, family, layout, seed=hash(layout) % 1000)
+    return directory, tower
+
+
+def test_packed_tokens_match_hf(checkpoint):
+    directory, tower = checkpoint
+    enc = encoder.load(str(directory), device="cpu", dtype=torch.float32)
+    grid = torch.tensor(GRIDS)
+    gen = torch.Generator().manual_seed(1)
+    pv = torch.randn(int(grid.prod(1).sum()), enc.config.patch_dim, generator=gen)
+    ref = hf_tokens(tower, pv, grid)
+    outs = enc.encode(encoder.PatchBatch(pv, grid), pooling="none")
+    counts = [t * h * w // 4 for t, h, w in GRIDS]
+    for out, ref_i, n in zip(outs, torch.split(ref, counts), counts, strict=True):
+        assert out.shape == (n, enc.out_dim)
+        assert rel_err(out, ref_i) <= 1e-5
+    means = enc.encode(encoder.PatchBatch(pv, grid), pooling="mean")
+    for mean, ref_i in zip(means, torch.split(ref, counts), strict=True):
+        assert mean.shape == (enc.out_dim,)
+        assert rel_err(mean, ref_i.mean(0)) <= 1e-5
+
+
+def test_each_image_alone_equals_packed(checkpoint):
+    """Packing must not leak attention across images: alone and packed give the same tokens."""
+    directory, _ = checkpoint
+    enc = encoder.load(str(directory), device="cpu", dtype=torch.float32)
+    grid = torch.tensor(GRIDS[:3])
+    pv = torch.randn(int(grid.prod(1).sum()), enc.config.patch_dim, generator=torch.Generator().manual_seed(2))
+    batch = encoder.PatchBatch(pv, grid)
+    packed = enc.encode(batch)
+    for i in range(len(GRIDS[:3])):
+        alone = enc.encode(batch.split([i]))[0]
+        assert rel_err(alone, packed[i]) <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_geometry_keeps_real_rows(family, tmp_path):
+    """Graph-mode geometry (padding tokens, empty frames, window slots at their bound) changes no
+    real output row and yields no NaN/Inf."""
+    directory = tmp_path / "ckpt"
+    write_checkpoint(directory, family, "full")
+    enc = encoder.load(str(directory), device="cpu", dtype=torch.float32)
+    cfg = enc.config
+    grid = torch.tensor([[1, 6, 10], [1, 4, 4], [1, 12, 8]])
+    real = int(grid.prod(1).sum())
+    pv = torch.randn(real, cfg.patch_dim, generator=torch.Generator().manual_seed(3))
+    eager = enc.forward_packed(encoder.PatchBatch(pv, grid))
+    total = real + 40  # bucket padding, a multiple of the merge unit
+    frames = torch.cat([frames_of(grid), torch.zeros(5, 2, dtype=torch.long)])
+    meta = compute_meta(frames, total, cfg, max_seqlen=total, window_slots=total // cfg.merge_unit)
+    padded_pv = torch.cat([pv, torch.randn(total - real, cfg.patch_dim) * 100])
+    with torch.inference_mode():
+        out = enc.model(padded_pv, meta)
+    assert torch.isfinite(out).all()
+    assert rel_err(out[: real // 4], eager) <= 1e-6
+    assert count_windows(grid.tolist(), cfg) <= total // cfg.merge_unit
+
+
+@pytest.mark.parametrize(("name", "params"), [("qwen2.5-vl-7b", 676_550_144), ("qwen2-vl-2b", 665_271_296)])
+def test_real_size_parameter_counts(name, params):
+    enc = encoder.load(name, device="cpu")
+    assert sum(p.numel() for p in enc.model.parameters()) == params
+
+
+def test_random_presets_are_deterministic():
+    a = encoder.load("tiny", device="cpu")
+    b = encoder.load("tiny", device="cpu")
+    for (na, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), na
