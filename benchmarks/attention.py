@@ -100,9 +100,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print(
-            "benchmarks/attention.py needs a CUDA GPU (timing uses CUDA graphs and events)", file=sys.stderr
-        )
+        print("benchmarks/attention.py needs a CUDA GPU (timing uses CUDA graphs and events)", file=sys.stderr)
         return 2
 
     status = available_backends()

@@ -9,7 +9,7 @@ The pipeline is split so the service can ship compact data between processes:
 `Qwen2VLImageProcessorPil` output. Details that matter for exactness (all mirrored from transformers 5.x):
   * RGB conversion: images with an alpha band or a `transparency` entry are alpha-composited onto white;
     everything else goes through PIL's `convert("RGB")` (so I;16 / I / F values saturate at 255, CMYK
-    uses PIL's naive formula). Arrays with 4 channels are blended in float64 and rounded.
+    uses PIL's naive formula). uint8 arrays become L/RGB/RGBA images and follow the same rule.
   * Resize: PIL bicubic on the uint8 RGB image, `reducing_gap=None`.
   * Rescale in float64 then cast to float32; normalise in float32. `patchify` uses a 256-entry lookup
     table per channel built that way, so results are bit-identical on CPU and need no float64 on device.
@@ -43,17 +43,11 @@ class PreprocessConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    min_pixels: int = Field(
-        56 * 56, gt=0, description="Lower bound on resized height*width (HF shortest_edge)."
-    )
-    max_pixels: int = Field(
-        28 * 28 * 1280, gt=0, description="Upper bound on resized height*width (HF longest_edge)."
-    )
+    min_pixels: int = Field(56 * 56, gt=0, description="Lower bound on resized height*width (HF shortest_edge).")
+    max_pixels: int = Field(28 * 28 * 1280, gt=0, description="Upper bound on resized height*width (HF longest_edge).")
     patch_size: int = Field(14, gt=0, description="Spatial patch side of the vision tower, in pixels.")
     temporal_patch_size: int = Field(2, gt=0, description="Frames per patch; a still image is repeated.")
-    merge_size: int = Field(
-        2, gt=0, description="Patches merged per side; resized sides are multiples of P*m."
-    )
+    merge_size: int = Field(2, gt=0, description="Patches merged per side; resized sides are multiples of P*m.")
     image_mean: tuple[float, float, float] = Field(OPENAI_CLIP_MEAN, description="Per-channel RGB mean.")
     image_std: tuple[float, float, float] = Field(OPENAI_CLIP_STD, description="Per-channel RGB std (> 0).")
     max_aspect_ratio: float = Field(
@@ -153,7 +147,7 @@ def load_image(x: Any, cfg: PreprocessConfig = DEFAULT_CONFIG) -> Image.Image:
         img = _decode(bytes(x), cfg)
     elif isinstance(x, Image.Image):
         _check_size(x.width, x.height, cfg)
-        img = x
+        img = _load(x)  # a lazily opened image may still hold undecoded (possibly truncated) data
     elif isinstance(x, np.ndarray):
         return _from_array(x, cfg)
     elif isinstance(x, str):
@@ -191,12 +185,16 @@ def _decode(data: bytes, cfg: PreprocessConfig) -> Image.Image:
             f"image format {img.format} is not allowed (allowed: {', '.join(sorted(cfg.allowed_formats))})"
         )
     _check_size(img.width, img.height, cfg)  # before .load(): nothing big allocated yet
+    return _load(img)
+
+
+def _load(img: Image.Image) -> Image.Image:
     try:
         img.load()  # Image.open is lazy; force the full decode so truncation is caught here
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageTooLargeError(f"image refused as a decompression bomb: {e}") from e
     except Exception as e:
-        raise ImageDecodeError(f"{img.format} image is truncated or corrupt: {e}") from e
+        raise ImageDecodeError(f"{img.format or img.mode} image is truncated or corrupt: {e}") from e
     return img
 
 
@@ -228,14 +226,9 @@ def _from_array(arr: np.ndarray, cfg: PreprocessConfig) -> Image.Image:
     if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
         raise InvalidImageError(f"image arrays must be HxW or HxWxC with C in 1/3/4, got shape {arr.shape}")
     _check_size(arr.shape[1], arr.shape[0], cfg)
-    if arr.shape[2] == 1:
-        arr = np.repeat(arr, 3, axis=2)
-    elif arr.shape[2] == 4:
-        # Same float64 blend onto white and rounding as transformers' array path (differs by up to 1
-        # from PIL's integer alpha_composite, so a PIL RGBA image and its array are not interchangeable).
-        alpha = arr[:, :, 3:] / 255
-        arr = np.round(alpha * arr[:, :, :3] + (1 - alpha) * 255).astype(np.uint8)
-    return Image.fromarray(np.ascontiguousarray(arr))
+    # As an L / RGB / RGBA image, the PIL path gives the same bytes as transformers' array path (channel
+    # repeat; float64 blend onto white, rounded), checked for every (value, alpha) pair in the tests.
+    return _to_rgb(Image.fromarray(np.ascontiguousarray(arr[:, :, 0] if arr.shape[2] == 1 else arr)))
 
 
 # ----------------------------------------------------------------------------------------- resizing
@@ -332,9 +325,7 @@ def patchify(pixels: torch.Tensor, cfg: PreprocessConfig = DEFAULT_CONFIG) -> to
 
 def _check_pixels(pixels: torch.Tensor, cfg: PreprocessConfig) -> None:
     if not isinstance(pixels, torch.Tensor) or pixels.dtype != torch.uint8:
-        raise InvalidImageError(
-            f"patchify expects a uint8 tensor, got {getattr(pixels, 'dtype', type(pixels))}"
-        )
+        raise InvalidImageError(f"patchify expects a uint8 tensor, got {getattr(pixels, 'dtype', type(pixels))}")
     if pixels.dim() != 3 or pixels.shape[2] != 3:
         raise InvalidImageError(f"patchify expects shape [H, W, 3], got {tuple(pixels.shape)}")
     h, w, _ = pixels.shape

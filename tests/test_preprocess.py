@@ -117,6 +117,14 @@ def test_uint8_arrays_match_hf(channels):
     assert_matches_hf(arr, arr if channels is not None else arr[:, :, None])
 
 
+def test_rgba_array_conversion_equals_hf_for_every_value_and_alpha():
+    from transformers.image_transforms import convert_to_rgb
+
+    value, alpha = np.meshgrid(np.arange(256), np.arange(256))
+    arr = np.stack([value, 255 - value, value, alpha], axis=-1).astype(np.uint8)
+    np.testing.assert_array_equal(np.asarray(load_image(arr)), convert_to_rgb(arr, return_numpy=True))
+
+
 def test_exif_rotated_jpeg_matches_hf():
     data = jpeg_with_orientation(60, 100, orientation=6, seed=2)
     assert opened(data).size == (100, 60)
@@ -175,6 +183,11 @@ _JPEG = encode(random_image("RGB", 64, 64, seed=9), "JPEG")
 def test_bad_inputs(value, error, match):
     with pytest.raises(error, match=match):
         load_image(value)
+
+
+def test_truncated_lazily_opened_pil_image():
+    with pytest.raises(ImageDecodeError, match="PNG image is truncated"):
+        load_image(Image.open(io.BytesIO(_PNG[: len(_PNG) // 2])))
 
 
 @pytest.mark.parametrize("height,width", [(1, 300), (1, 201), (402, 2)])
@@ -267,9 +280,7 @@ def test_patchify_many_concatenates_with_grid():
     assert torch.equal(batch.pixel_values, torch.cat([patchify(a) for a in arrays]))
 
 
-@pytest.mark.parametrize(
-    "height,width", [(10, 10), (224, 224), (300, 517), (1000, 80), (4000, 3000), (1, 200)]
-)
+@pytest.mark.parametrize("height,width", [(10, 10), (224, 224), (300, 517), (1000, 80), (4000, 3000), (1, 200)])
 @pytest.mark.parametrize("cfg", [DEFAULT, SMALL], ids=["default", "small"])
 def test_num_patches(height, width, cfg):
     hf = hf_processor(cfg.min_pixels, cfg.max_pixels)

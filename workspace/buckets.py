@@ -97,9 +97,7 @@ class BucketTable:
             # A bigger graph that accepts fewer images would make the packer's "fits the largest bucket"
             # rule split runs that some smaller graph could take, and would defeat the O(log b) lookup.
             if cur.max_images < prev.max_images:
-                raise BucketError(
-                    f"max_images must not decrease as the budget grows: {prev} is followed by {cur}"
-                )
+                raise BucketError(f"max_images must not decrease as the budget grows: {prev} is followed by {cur}")
         object.__setattr__(self, "_keys", ordered)
         object.__setattr__(self, "_budgets", tuple(k.budget for k in ordered))
         object.__setattr__(self, "_max_images", tuple(k.max_images for k in ordered))

@@ -54,9 +54,7 @@ def available_backends() -> dict[str, str | None]:
 def get_backend(name: str | None = None) -> AttentionBackend:
     name = name or DEFAULT_BACKEND
     if name not in _REGISTRY:
-        raise BackendUnavailableError(
-            f"unknown attention backend {name!r}; known: {', '.join(_REGISTRY)}"
-        )
+        raise BackendUnavailableError(f"unknown attention backend {name!r}; known: {', '.join(_REGISTRY)}")
     got = _load_class(name)
     if isinstance(got, str):
         usable = [n for n, why in available_backends().items() if why is None]

@@ -75,9 +75,7 @@ def pick_config(dtype: torch.dtype, head_dim: int, max_seqlen: int) -> KernelCon
     block_d = _block_d(head_dim)
     half = dtype in (torch.float16, torch.bfloat16)
     matches = (
-        c
-        for is_half, seq_le, d_le, c in _CONFIGS
-        if is_half == half and max_seqlen <= seq_le and block_d <= d_le
+        c for is_half, seq_le, d_le, c in _CONFIGS if is_half == half and max_seqlen <= seq_le and block_d <= d_le
     )
     cfg = next(matches, None)
     if cfg is None:
