@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import get_backend
+from .attention import default_backend_name, get_backend
 from .checkpoint import load_config, load_weights, read_json
 from .config import VisionConfig, preset
 from .errors import ConfigError, InvalidArgumentError
@@ -152,7 +152,7 @@ def load(
     path = Path(model)
     is_dir = path.is_dir()
     config = load_config(path) if is_dir else preset(model)
-    backend = get_backend(attention)
+    backend = get_backend(attention or default_backend_name(device.type))
     why = backend.supports(device, dtype, config.head_dim)
     if why:
         raise ConfigError(f"attention backend {backend.name!r} cannot run this model: {why}")

@@ -135,6 +135,40 @@ class QwenVisionTower(nn.Module):
         for blk in self.blocks:
             blk.attn.backend = backend
 
+    @torch.no_grad()
+    def pad_mlp_width(self, multiple: int = 128) -> int:
+        """Zero-pad every MLP's hidden width up to a multiple (Qwen2.5's 3420 -> 3456).
+
+        Exact: padded units get zero input weights and bias, so their activation is
+        act(0) * 0 = 0 (SwiGLU) or act(0) = 0 (QuickGELU), and zero output weights. GEMMs with
+        a width that is a multiple of 128 run much faster on tensor cores. Returns the new width.
+        """
+
+        def grow(linear: nn.Linear, dim: int, new: int) -> None:
+            w = linear.weight
+            shape = list(w.shape)
+            shape[dim] = new - shape[dim]
+            linear.weight = nn.Parameter(torch.cat([w, w.new_zeros(shape)], dim=dim))
+            if dim == 0 and linear.bias is not None:
+                linear.bias = nn.Parameter(torch.cat([linear.bias, linear.bias.new_zeros(shape[0])]))
+            if dim == 0:
+                linear.out_features = new
+            else:
+                linear.in_features = new
+
+        width = self.cfg.mlp_dim
+        new = -(-width // multiple) * multiple
+        if new == width:
+            return width
+        for blk in self.blocks:
+            mlp = blk.mlp
+            ins = [mlp.gate_proj, mlp.up_proj] if isinstance(mlp, SwiGLUMLP) else [mlp.fc1]
+            out = mlp.down_proj if isinstance(mlp, SwiGLUMLP) else mlp.fc2
+            for lin in ins:
+                grow(lin, 0, new)
+            grow(out, 1, new)
+        return new
+
     def forward_features(self, pixel_values: torch.Tensor, meta: VisionMeta) -> torch.Tensor:
         # pixel_values: [S, C*T*P*P] in HF order -> [S, D] block outputs in the blocks' order
         assert pixel_values.shape[1] == self.cfg.patch_dim, pixel_values.shape

@@ -92,3 +92,16 @@ def test_random_presets_are_deterministic():
     b = encoder.load("tiny", device="cpu")
     for (na, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
         assert torch.equal(pa, pb), na
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2-vl"])
+def test_mlp_width_padding_is_exact(name):
+    from graph_cases import random_batch
+
+    enc = encoder.load(name, device="cpu")
+    batch = random_batch([[1, 8, 12], [1, 6, 6]], enc.config.patch_dim, seed=0)
+    before = enc.encode(batch)
+    assert enc.model.pad_mlp_width(128) == 128
+    assert enc.model.blocks[0].mlp.state_dict()[next(iter(enc.model.blocks[0].mlp.state_dict()))].shape[0] == 128
+    after = enc.encode(batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

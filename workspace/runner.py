@@ -86,9 +86,13 @@ class GraphRunner:
             self._capture_all()
 
     # -- the body every bucket runs (captured, or eager on CPU) --------------------------------
-    def _body(self, ws: Workspace) -> None:
-        # geometry from the small per-frame table, inside the graph: no host reads of image data
-        meta = compute_meta(ws.frames_hw, ws.key.budget, self.cfg, ws.max_seqlen, ws.window_slots)
+    def _body(self, ws: Workspace, bounds: tuple[int, int] | None = None) -> None:
+        # geometry from the small per-frame table, inside the graph: no host reads of image data.
+        # `bounds` (max_seqlen, window_slots) tightens the static bounds when nothing is captured:
+        # same buffers and padding, but attention sized to the batch (the CPU reference attention
+        # costs memory quadratic in these bounds)
+        max_seqlen, window_slots = bounds or (ws.max_seqlen, ws.window_slots)
+        meta = compute_meta(ws.frames_hw, ws.key.budget, self.cfg, max_seqlen, window_slots)
         tokens = self.tower(ws.pixel_values, meta)  # [budget / mu, out_dim]
         # per-image mean pooling as data too: token -> frame via the full-attention boundaries
         mu = self.cfg.merge_unit
@@ -109,7 +113,12 @@ class GraphRunner:
     def _workspace(self, key: BucketKey) -> Workspace:
         ws = self.workspaces.get(key)
         if ws is None:
-            ws = Workspace.allocate(key, self.cfg.patch_dim, self.max_image_patches, self.cfg.merge_unit, self.device)
+            # normal tensors even when first needed under inference_mode: tests and debug tools
+            # may write into them later
+            with torch.inference_mode(False):
+                ws = Workspace.allocate(
+                    key, self.cfg.patch_dim, self.max_image_patches, self.cfg.merge_unit, self.device
+                )
             self.workspaces[key] = ws
         return ws
 
@@ -201,7 +210,8 @@ class GraphRunner:
                 assert ws.input_ptrs() == ws.captured_ptrs, f"bucket {pack.key}: inputs moved since capture"
             self.graphs[pack.key].replay()
         else:
-            self._body(ws)
+            sub = [grid[i] for i in idx]
+            self._body(ws, (max(h * w for _, h, w in sub), count_windows(sub, self.cfg)))
         self.stats.replays[pack.key.budget] += 1
         mu = self.cfg.merge_unit
         # copy out now: the next replay (of any bucket) may reuse the shared pool

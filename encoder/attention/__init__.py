@@ -21,6 +21,16 @@ _REGISTRY: dict[str, str] = {
 }
 
 DEFAULT_BACKEND = "sdpa"
+# fastest first, as measured on the H200 (BENCHMARKS.md); the first usable one is the CUDA default
+CUDA_PREFERENCE = ("torch_varlen", "triton", "sdpa")
+
+
+def default_backend_name(device_type: str) -> str:
+    """The backend `load()` uses when none is named: the reference on CPU, the fastest on CUDA."""
+    if device_type != "cuda":
+        return DEFAULT_BACKEND
+    usable = available_backends()
+    return next((n for n in CUDA_PREFERENCE if usable.get(n, "missing") is None), DEFAULT_BACKEND)
 
 
 def register(name: str, target: str) -> None:
@@ -64,4 +74,12 @@ def get_backend(name: str | None = None) -> AttentionBackend:
     return got()
 
 
-__all__ = ["AttentionBackend", "DEFAULT_BACKEND", "available_backends", "backend_names", "get_backend", "register"]
+__all__ = [
+    "AttentionBackend",
+    "DEFAULT_BACKEND",
+    "default_backend_name",
+    "available_backends",
+    "backend_names",
+    "get_backend",
+    "register",
+]

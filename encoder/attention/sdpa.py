@@ -1,9 +1,10 @@
 """Reference varlen attention on `torch.nn.functional.scaled_dot_product_attention`.
 
-Works on CPU and GPU in every dtype and is capturable in a CUDA graph: segments are scattered into
-a padded [N, max_seqlen, H, D] batch with index math on the device (no host reads of
-`cu_seqlens`), attended with a key-padding mask, and gathered back. Memory is N * max_seqlen rows,
-so it is the correctness reference and the fallback, not the fast path.
+Works on CPU and GPU in every dtype and is capturable in a CUDA graph: no host reads of
+`cu_seqlens`, only index math on the device. Two layouts, both static in shape: a dense [S, S]
+block-diagonal mask, or segments scattered into a padded [N, max_seqlen, H, D] batch with a
+key-padding mask and gathered back. Either costs memory quadratic in a bound, so this is the
+correctness reference and the fallback, not the fast path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,27 @@ class SdpaAttention(AttentionBackend):
     name = "sdpa"
 
     def forward(self, q, k, v, cu_seqlens, max_seqlen, out):
+        # two static-shape layouts; take the one with fewer score entries
+        segments = cu_seqlens.numel() - 1
+        if q.shape[0] ** 2 <= (segments + 1) * max_seqlen**2:
+            return self._dense(q, k, v, cu_seqlens, out)
+        return self._padded(q, k, v, cu_seqlens, max_seqlen, out)
+
+    @staticmethod
+    def _dense(q, k, v, cu_seqlens, out):
+        """One [S, S] block-diagonal mask: cheap when S is small against segments * max_seqlen^2."""
+        rows = torch.arange(q.shape[0], device=q.device)
+        # padding rows share the out-of-range segment id, so they attend among themselves (finite)
+        seg = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)
+        mask = seg[:, None] == seg[None, :]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        real = (rows < cu_seqlens[-1])[:, None, None]
+        out.copy_(torch.where(real, o.transpose(0, 1), torch.zeros_like(q)))
+        return out
+
+    @staticmethod
+    def _padded(q, k, v, cu_seqlens, max_seqlen, out):
+        """Segments scattered into [N + 1, max_seqlen] with a key-padding mask."""
         total, heads, head_dim = q.shape
         num_segments = cu_seqlens.numel() - 1
         cu = cu_seqlens.long()

@@ -1,0 +1,161 @@
+"""Engine benchmark (one GPU run): HF transformers eager vs our eager vs our graph replay, per
+attention backend, on the Qwen2.5-VL-7B vision config in bf16 with random weights.
+
+Prints a markdown table with latency, images/s, patches/s and MFU against a bf16 matmul peak
+measured in the same process. Run: `python benchmarks/engine.py [--backends triton,torch_varlen]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import encoder  # noqa: E402
+import workspace  # noqa: E402
+from encoder.attention import available_backends, get_backend  # noqa: E402
+
+WORKLOADS = {  # name -> (images, side in pixels)
+    "1x224": (1, 224),
+    "1x448": (1, 448),
+    "32x224": (32, 224),
+    "8x896": (8, 896),
+}
+
+
+def linear_flops_per_patch(cfg) -> float:
+    d, f, mu = cfg.width, cfg.mlp_dim, cfg.merge_unit
+    blocks = cfg.depth * 2 * (d * 3 * d + d * d + 3 * d * f)
+    merger = 2 * (d * mu * d * mu + d * mu * cfg.out_dim) / mu
+    return blocks + merger + 2 * cfg.patch_dim * d
+
+
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds per call, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = timed(lambda: a @ b, 10)
+    return 2 * 8192**3 / ms / 1e9  # TFLOP/s
+
+
+def make_batch(enc, images: int, side: int) -> encoder.PatchBatch:
+    g = side // enc.config.patch_size
+    grid = torch.tensor([[1, g, g]] * images)
+    pv = torch.randn(images * g * g, enc.config.patch_dim, device="cuda")
+    return encoder.PatchBatch(pv, grid)
+
+
+def hf_tower(enc):
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    cfg = enc.config
+    hf_cfg = Qwen2_5_VLVisionConfig(
+        depth=cfg.depth, hidden_size=cfg.width, intermediate_size=cfg.mlp_dim, num_heads=cfg.num_heads,
+        out_hidden_size=cfg.out_dim, fullatt_block_indexes=list(cfg.fullatt_block_indexes),
+        window_size=cfg.window_size,
+    )  # fmt: skip
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = Qwen2_5_VisionTransformerPretrainedModel(hf_cfg).to(torch.bfloat16).eval()
+    state = {k: v for k, v in enc.model.state_dict().items()}
+    state["patch_embed.proj.weight"] = state["patch_embed.proj.weight"].view(model.patch_embed.proj.weight.shape)
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="qwen2.5-vl-7b")
+    parser.add_argument("--backends", default=None, help="comma list (default: every available one)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--json", default=None, help="also write results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/engine.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = True
+    peak = matmul_peak()
+    base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
+    per_patch = linear_flops_per_patch(base.config)
+    names = args.backends.split(",") if args.backends else [n for n, w in available_backends().items() if w is None]
+    workloads = args.workloads.split(",")
+    rows = []
+
+    def record(impl, wl, ms, extra=None):
+        images, side = WORKLOADS[wl]
+        patches = images * (side // base.config.patch_size) ** 2
+        tflops = per_patch * patches / ms / 1e9
+        rows.append(dict(impl=impl, workload=wl, ms=ms, img_s=images / ms * 1e3, patch_s=patches / ms * 1e3,
+                         mfu=tflops / peak, **(extra or {})))  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+
+    if not args.no_hf:
+        hf = hf_tower(base)
+        for wl in workloads:
+            batch = make_batch(base, *WORKLOADS[wl])
+            with torch.inference_mode():
+                record("HF transformers eager (sdpa)", wl, timed(lambda b=batch: hf(b.pixel_values, b.grid_thw), 5))
+        del hf
+        torch.cuda.empty_cache()
+
+    for name in names:
+        base.model.set_backend(get_backend(name))
+        for wl in workloads:
+            batch = make_batch(base, *WORKLOADS[wl])
+            record(f"ours eager ({name})", wl, timed(lambda b=batch: base.forward_packed(b), args.iters))
+        t0 = time.perf_counter()
+        graph = workspace.GraphEncoder(base)
+        setup = time.perf_counter() - t0
+        stats = graph.stats()
+        for wl in workloads:
+            batch = make_batch(base, *WORKLOADS[wl])
+            run = lambda b=batch, g=graph: g.runner.run(b.pixel_values, b.grid_thw)  # noqa: E731
+            record(f"ours graph ({name})", wl, timed(run, args.iters),
+                   {"capture_s": stats["capture_seconds"], "capture_gib": stats["capture_bytes"] / 2**30,
+                    "setup_s": setup})  # fmt: skip
+            record(
+                f"ours graph + host copy, mean ({name})",
+                wl,
+                timed(lambda b=batch, g=graph: g.encode(b, "mean"), args.iters),
+            )
+        del graph
+        torch.cuda.empty_cache()
+
+    print(f"\nbf16 matmul peak measured: {peak:.0f} TFLOP/s; linear work {per_patch / 1e9:.3f} GFLOP/patch\n")
+    print("| implementation | workload | ms | img/s | patches/s | MFU |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['impl']} | {r['workload']} | {r['ms']:.2f} | {r['img_s']:.0f} | {r['patch_s']:.0f} | "
+              f"{r['mfu'] * 100:.1f}% |")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Random packed batches for graph-vs-eager tests: same totals, different image splits."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+import encoder
+
+
+def split_grids(total: int, rng: random.Random, max_side: int = 24, max_images: int = 64) -> list[list[int]]:
+    """Image grids (1, h, w), h and w even, whose patches sum exactly to `total` (a multiple of 4)."""
+    assert total % 4 == 0
+    grids, left = [], total
+    while left and len(grids) < max_images - 1:
+        h, w = 2 * rng.randint(1, max_side // 2), 2 * rng.randint(1, max_side // 2)
+        if h * w > left:
+            break
+        grids.append([1, h, w])
+        left -= h * w
+    if left:
+        grids.append([1, 2, left // 2])  # the remainder as one thin image
+    rng.shuffle(grids)
+    return grids
+
+
+def random_batch(grids: list[list[int]], patch_dim: int, seed: int) -> encoder.PatchBatch:
+    grid = torch.tensor(grids, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    pv = torch.randn(int(grid.prod(1).sum()), patch_dim, generator=gen)
+    return encoder.PatchBatch(pv, grid)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()

@@ -1,0 +1,105 @@
+"""Real-size towers on the GPU: bf16 vs float32, graph replay vs eager, capture cost."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from graph_cases import random_batch, rel_err, split_grids
+
+import encoder
+import workspace
+from encoder.attention import available_backends
+
+pytestmark = pytest.mark.gpu
+MODEL = "qwen2.5-vl-7b"
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return encoder.load(MODEL, device="cuda", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def bf16(fp32):
+    enc = copy.copy(fp32)
+    enc.model = copy.deepcopy(fp32.model).to(torch.bfloat16)
+    return enc
+
+
+@pytest.fixture(scope="module")
+def graph(bf16):
+    return workspace.GraphEncoder(bf16, debug=True)
+
+
+def assert_close(outs, refs, tol):
+    for o, r in zip(outs, refs, strict=True):
+        assert o.shape == r.shape
+        assert torch.isfinite(o).all()
+        assert rel_err(o, r) <= tol, rel_err(o, r)
+
+
+def test_bf16_matches_fp32(fp32, bf16):
+    batch = random_batch([[1, 16, 16], [1, 32, 20], [1, 64, 40]], fp32.config.patch_dim, seed=0)
+    assert_close(bf16.encode(batch), fp32.encode(batch), 1e-2)
+    assert_close(bf16.encode(batch, "mean"), fp32.encode(batch, "mean"), 1e-2)
+
+
+def test_capture_cost(graph):
+    s = graph.stats()
+    assert s["captures"] == len(graph.table)
+    assert s["capture_seconds"] <= 20, s
+    assert s["capture_bytes"] <= 2 * 2**30, s
+
+
+def test_graph_random_splits(graph, bf16, fp32):
+    """>= 200 batches whose totals repeat and whose splits differ: replay == eager (same backend)
+    within bf16 noise, and within 1e-2 of float32."""
+    rng = random.Random(1)
+    totals = [256, 1024, 4096, 4092, 8192]
+    for case in range(200):
+        grids = split_grids(totals[case % len(totals)], rng, max_side=64)
+        batch = random_batch(grids, fp32.config.patch_dim, seed=case)
+        out = graph.encode(batch)
+        assert_close(out, bf16.encode(batch), 1e-2)
+        if case % 10 == 0:
+            assert_close(out, fp32.encode(batch), 1e-2)
+    assert sum(graph.stats()["replays"].values()) >= 200
+
+
+@pytest.mark.parametrize(
+    "grids",
+    [[[1, 16, 16]], [[1, 2, 2], [1, 16, 16]], [[1, 128, 256]], [[1, 2, 2], [1, 128, 256]], [[1, 74, 74]]],
+    ids=["256", "256+4", "32768", "32768+4", "over-per-image"],
+)
+def test_bucket_edges(graph, bf16, grids):
+    batch = random_batch(grids, bf16.config.patch_dim, seed=3)
+    assert_close(graph.encode(batch), bf16.encode(batch), 1e-2)
+
+
+def test_one_image_and_max_images(graph, bf16):
+    key = graph.table.largest
+    for grids in ([[1, 16, 16]], [[1, 8, 16]] * key.max_images):
+        batch = random_batch(grids, bf16.config.patch_dim, seed=4)
+        assert_close(graph.encode(batch, "mean"), bf16.encode(batch, "mean"), 1e-2)
+
+
+def test_padding_and_repeatability(graph, bf16):
+    batch = random_batch([[1, 20, 36], [1, 16, 16]], bf16.config.patch_dim, seed=5)
+    first = graph.encode(batch)
+    for ws in graph.runner.workspaces.values():
+        ws.pixel_values.fill_(1e4)
+    second = graph.encode(batch)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("backend", [n for n, why in available_backends().items() if why is None])
+def test_every_available_backend_captures(bf16, backend):
+    enc = copy.copy(bf16)
+    enc.model = copy.deepcopy(bf16.model)
+    enc.model.set_backend(encoder.attention.get_backend(backend))
+    g = workspace.GraphEncoder(enc, buckets="256,1024,4096")
+    batch = random_batch([[1, 16, 16], [1, 20, 28], [1, 2, 2]], enc.config.patch_dim, seed=6)
+    assert_close(g.encode(batch), bf16.encode(batch), 1e-2)
