@@ -62,7 +62,7 @@ def matmul_peak() -> float:
 
 def make_batch(enc, images: int, side: int) -> encoder.PatchBatch:
     g = side // enc.config.patch_size
-    grid = torch.tensor([[1, g, g]] * images)
+    grid = torch.tensor([[1, g, g]] * images, device="cuda")  # HF builds positions on grid_thw's device
     pv = torch.randn(images * g * g, enc.config.patch_dim, device="cuda")
     return encoder.PatchBatch(pv, grid)
 

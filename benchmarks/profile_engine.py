@@ -25,7 +25,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
     enc = encoder.load(args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend)
-    enc.model.pad_mlp_width(128)
+    enc.model.fuse_for_speed(128)
     for total in map(int, args.patches.split(",")):
         n = max(1, total // 256)
         grid = torch.tensor([[1, 16, 16]] * n)

@@ -16,6 +16,7 @@ from torch import nn
 from .attention import AttentionBackend
 from .config import Qwen25VLVisionConfig, VisionConfig
 from .geometry import VisionMeta
+from .kernels import add_norm, quick_gelu, rotary_qkv, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -31,17 +32,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [S, H, D]; cos/sin: [S, D] float32. Rotation in float32, as the reference does.
-    xf = x.float()
-    return (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(x.dtype)
-
-
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -53,10 +43,9 @@ class VisionAttention(nn.Module):
     def forward(self, x, cu_seqlens, max_seqlen, cos, sin):
         # x: [S, D] packed tokens
         s, d = x.shape
-        q, k, v = self.qkv(x).view(s, 3, self.num_heads, d // self.num_heads).unbind(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = rotary_qkv(self.qkv(x), cos, sin, self.num_heads)  # each [S, H, D/H], contiguous
         out = torch.empty_like(q)
-        self.backend(q, k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen, out)
+        self.backend(q, k, v, cu_seqlens, max_seqlen, out)
         return self.proj(out.view(s, d))
 
 
@@ -67,8 +56,7 @@ class QuickGeluMLP(nn.Module):
         self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x):
-        h = self.fc1(x)
-        return self.fc2(h * torch.sigmoid(1.702 * h))
+        return self.fc2(quick_gelu(self.fc1(x)))
 
 
 class SwiGLUMLP(nn.Module):
@@ -79,7 +67,19 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=True)
 
     def forward(self, x):
+        if hasattr(self, "gate_up"):
+            return self.down_proj(silu_mul(self.gate_up(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    @torch.no_grad()
+    def fuse_gate_up(self) -> None:
+        """One GEMM for gate and up ([2F, D]); the activation kernel reads both halves."""
+        gate, up = self.gate_proj, self.up_proj
+        self.gate_up = nn.Linear(gate.in_features, 2 * gate.out_features, device=gate.weight.device,
+                                 dtype=gate.weight.dtype)  # fmt: skip
+        self.gate_up.weight.copy_(torch.cat([gate.weight, up.weight]))
+        self.gate_up.bias.copy_(torch.cat([gate.bias, up.bias]))
+        del self.gate_proj, self.up_proj
 
 
 class VisionBlock(nn.Module):
@@ -92,10 +92,17 @@ class VisionBlock(nn.Module):
         self.mlp = SwiGLUMLP(cfg.width, cfg.mlp_dim) if qwen25 else QuickGeluMLP(cfg.width, cfg.mlp_dim)
         self.full_attention = full_attention
 
-    def forward(self, x, meta: VisionMeta):
+    def forward(self, x, delta, meta: VisionMeta):
+        """The residual stream is x + delta (delta None on the first block); each residual add is
+        fused with the norm that follows it. Returns the new (x, delta)."""
         cu, max_len = meta.segments(self.full_attention)
-        x = x + self.attn(self.norm1(x), cu, max_len, meta.cos, meta.sin)
-        return x + self.mlp(self.norm2(x))
+        x, h = add_norm(x, delta, *self._norm_args(self.norm1))
+        x, h = add_norm(self.attn(h, cu, max_len, meta.cos, meta.sin), x, *self._norm_args(self.norm2))
+        return x, self.mlp(h)
+
+    @staticmethod
+    def _norm_args(norm):
+        return norm.weight, getattr(norm, "bias", None), norm.eps, isinstance(norm, RMSNorm)
 
 
 class PatchMerger(nn.Module):
@@ -162,12 +169,21 @@ class QwenVisionTower(nn.Module):
             return width
         for blk in self.blocks:
             mlp = blk.mlp
+            assert not hasattr(mlp, "gate_up"), "pad the MLP width before fusing gate and up"
             ins = [mlp.gate_proj, mlp.up_proj] if isinstance(mlp, SwiGLUMLP) else [mlp.fc1]
             out = mlp.down_proj if isinstance(mlp, SwiGLUMLP) else mlp.fc2
             for lin in ins:
                 grow(lin, 0, new)
             grow(out, 1, new)
         return new
+
+    def fuse_for_speed(self, pad_mlp: int = 128) -> None:
+        """Inference-only layout changes, all exact: MLP width padded, gate and up in one GEMM."""
+        if pad_mlp:
+            self.pad_mlp_width(pad_mlp)
+        for blk in self.blocks:
+            if isinstance(blk.mlp, SwiGLUMLP) and not hasattr(blk.mlp, "gate_up"):
+                blk.mlp.fuse_gate_up()
 
     def forward_features(self, pixel_values: torch.Tensor, meta: VisionMeta) -> torch.Tensor:
         # pixel_values: [S, C*T*P*P] in HF order -> [S, D] block outputs in the blocks' order
@@ -176,9 +192,10 @@ class QwenVisionTower(nn.Module):
         if meta.window_index is not None:
             mu = self.cfg.merge_unit
             x = x.view(-1, mu, x.shape[-1])[meta.window_index].view(x.shape)
+        delta = None
         for blk in self.blocks:
-            x = blk(x, meta)
-        return x
+            x, delta = blk(x, delta, meta)
+        return x + delta
 
     def merge(self, x: torch.Tensor, meta: VisionMeta) -> torch.Tensor:
         # x: [S, D] -> [S / mu, out_dim] in HF token order

@@ -29,7 +29,7 @@ from encoder.errors import BackendUnavailableError  # noqa: E402
 
 NAMES = backend_names()
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3}
-SENTINEL = 1.0e4  # finite in fp16 too; padding rows must still hold it (or zero) after a call
+SENTINEL = 8192.0  # exact in fp16 and bf16 (1e4 rounds to 9984 in bf16); padding rows must still hold it (or zero)
 
 # name -> (segment lengths, trailing empty segments, bucket padding rows, max_seqlen or None = exact)
 SPLITS = {

@@ -22,7 +22,7 @@ _REGISTRY: dict[str, str] = {
 
 DEFAULT_BACKEND = "sdpa"
 # fastest first, as measured on the H200 (BENCHMARKS.md); the first usable one is the CUDA default
-CUDA_PREFERENCE = ("torch_varlen", "triton", "sdpa")
+CUDA_PREFERENCE = ("triton", "torch_varlen", "sdpa")
 
 
 def default_backend_name(device_type: str) -> str:

@@ -1,0 +1,191 @@
+"""Fused elementwise kernels for the blocks (Triton on CUDA), each with a torch reference.
+
+The profile of an eager forward on the H200 (BENCHMARKS.md) shows unfused elementwise work —
+float32 rotary with its cat/neg/mul chain, float32 RMSNorm in four passes, SiLU times up, the
+residual adds — taking more GPU time than the GEMMs. Each kernel here reads its inputs once and
+writes its outputs once. `fused(x)` decides per tensor: Triton on CUDA, the torch reference
+elsewhere (CPU, or `ENCODER_FUSED=0` to compare).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton use the references
+    triton = None
+
+
+def fused(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and os.environ.get("ENCODER_FUSED", "1") != "0"
+
+
+# -- residual add + norm -------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _add_norm_kernel(
+        x_ptr, r_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, n_cols, eps,
+        HAS_RES: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x = x + tl.load(r_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            # the residual stream is kept in the model dtype, as in the reference
+            x = x.to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+            x = x.to(tl.float32)
+        if RMS:
+            var = tl.sum(x * x, axis=0) / n_cols
+            y = x * tl.rsqrt(var + eps)
+        else:
+            mean = tl.sum(x, axis=0) / n_cols
+            xc = tl.where(mask, x - mean, 0.0)
+            var = tl.sum(xc * xc, axis=0) / n_cols
+            y = xc * tl.rsqrt(var + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * w
+        if not RMS:
+            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, norm(x + residual)); RMSNorm when `rms`, else LayerNorm with `bias`."""
+    # x, residual: [S, D]
+    if not fused(x):
+        s = x if residual is None else x + residual
+        if rms:
+            sf = s.float()
+            y = weight * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
+        else:
+            y = F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+        return s, y
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else x
+    _add_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, bias if bias is not None else weight, total, out,
+        cols, eps, HAS_RES=residual is not None, RMS=rms, BLOCK=triton.next_power_of_2(cols),
+        num_warps=4 if cols <= 2048 else 8,
+    )  # fmt: skip
+    return total, out
+
+
+# -- rotary on packed qkv ------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _rotary_qkv_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HALF_BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # one program per token: rotate q and k of every head, copy v; out is [3, S, H, D]
+        row = tl.program_id(0).to(tl.int64)
+        half = HEAD_DIM // 2
+        heads = tl.arange(0, HEADS)[:, None]
+        cols = tl.arange(0, HALF_BLOCK)[None, :]
+        mask = (cols < half) & (heads < HEADS)
+        c = tl.load(cos_ptr + row * HEAD_DIM + cols, mask=cols < half, other=0.0)
+        s = tl.load(sin_ptr + row * HEAD_DIM + cols, mask=cols < half, other=0.0)
+        width = HEADS * HEAD_DIM
+        base = qkv_ptr + row * 3 * width + heads * HEAD_DIM + cols
+        for which in tl.static_range(3):
+            x1 = tl.load(base + which * width, mask=mask, other=0.0)
+            x2 = tl.load(base + which * width + half, mask=mask, other=0.0)
+            dst = out_ptr + which * n_rows * width + row * width + heads * HEAD_DIM + cols
+            if which < 2:
+                a = x1.to(tl.float32)
+                b = x2.to(tl.float32)
+                y1 = a * c - b * s
+                y2 = b * c + a * s
+                tl.store(dst, y1.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + half, y2.to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                tl.store(dst, x1, mask=mask)
+                tl.store(dst + half, x2, mask=mask)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int):
+    """Split packed qkv [S, 3*H*D] into contiguous q, k, v [S, H, D], q and k rotated.
+
+    cos/sin: [S, D] float32 whose halves are equal (2D rotary duplicates the angle table); the
+    rotation is computed in float32 as in the reference.
+    """
+    rows = qkv.shape[0]
+    head_dim = qkv.shape[1] // (3 * heads)
+    if not fused(qkv):
+        q, k, v = qkv.view(rows, 3, heads, head_dim).unbind(1)
+
+        def rot(x):
+            xf = x.float()
+            return (xf * cos[:, None] + _rotate_half(xf) * sin[:, None]).to(x.dtype)
+
+        return rot(q), rot(k), v.contiguous()
+    out = torch.empty(3, rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    assert heads & (heads - 1) == 0, "the fused rotary kernel tiles heads by a power of two"
+    _rotary_qkv_kernel[(rows,)](
+        qkv, cos, sin, out, rows, HEADS=heads, HEAD_DIM=head_dim,
+        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=4,
+    )  # fmt: skip
+    return out[0], out[1], out[2]
+
+
+# -- MLP activations -----------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _act_kernel(in_ptr, out_ptr, n_cols, GATED: tl.constexpr, BLOCK: tl.constexpr):
+        # GATED: in is [S, 2F] = [gate | up] -> silu(gate) * up; else in is [S, F] -> quick_gelu
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        if GATED:
+            g = tl.load(in_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(in_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            y = g * tl.sigmoid(g) * u
+        else:
+            h = tl.load(in_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            y = h * tl.sigmoid(1.702 * h)
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[S, 2F] (gate | up) -> silu(gate) * up, [S, F]."""
+    rows, two_f = gate_up.shape
+    f = two_f // 2
+    if not fused(gate_up):
+        g, u = gate_up.split(f, dim=-1)
+        return F.silu(g) * u
+    out = torch.empty(rows, f, dtype=gate_up.dtype, device=gate_up.device)
+    _act_kernel[(rows, triton.cdiv(f, 1024))](gate_up, out, f, GATED=True, BLOCK=1024, num_warps=4)
+    return out
+
+
+def quick_gelu(h: torch.Tensor) -> torch.Tensor:
+    if not fused(h):
+        return h * torch.sigmoid(1.702 * h)
+    rows, f = h.shape
+    out = torch.empty_like(h)
+    _act_kernel[(rows, triton.cdiv(f, 1024))](h, out, f, GATED=False, BLOCK=1024, num_warps=4)
+    return out
