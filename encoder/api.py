@@ -21,10 +21,16 @@ POOLINGS = ("none", "mean")
 def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Deterministic random weights (same seed -> same model in every process and replica)."""
     gen = torch.Generator().manual_seed(seed)
+    depth = len(getattr(model, "blocks", [])) or 1
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 std = p.shape[-1] ** -0.5
+                if name.endswith(("attn.proj.weight", "mlp.down_proj.weight", "mlp.fc2.weight")):
+                    # residual-branch outputs scaled by 1/sqrt(2 * depth) (GPT-2 style), so a random
+                    # tower keeps its branches small against the stream as trained towers do;
+                    # with unit-scale branches bf16 rounding compounds over 32 blocks
+                    std /= (2 * depth) ** 0.5
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)

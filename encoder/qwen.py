@@ -26,10 +26,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # variance in float32 like the reference, result back in the input dtype before the scale
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return add_norm(x, None, self.weight, None, self.eps, rms=True)[1]
+
+
+def norm_args(norm: nn.Module):
+    """(weight, bias, eps, rms) of an RMSNorm or LayerNorm, for `add_norm`."""
+    return norm.weight, getattr(norm, "bias", None), norm.eps, isinstance(norm, RMSNorm)
 
 
 class VisionAttention(nn.Module):
@@ -96,13 +98,9 @@ class VisionBlock(nn.Module):
         """The residual stream is x + delta (delta None on the first block); each residual add is
         fused with the norm that follows it. Returns the new (x, delta)."""
         cu, max_len = meta.segments(self.full_attention)
-        x, h = add_norm(x, delta, *self._norm_args(self.norm1))
-        x, h = add_norm(self.attn(h, cu, max_len, meta.cos, meta.sin), x, *self._norm_args(self.norm2))
+        x, h = add_norm(x, delta, *norm_args(self.norm1))
+        x, h = add_norm(self.attn(h, cu, max_len, meta.cos, meta.sin), x, *norm_args(self.norm2))
         return x, self.mlp(h)
-
-    @staticmethod
-    def _norm_args(norm):
-        return norm.weight, getattr(norm, "bias", None), norm.eps, isinstance(norm, RMSNorm)
 
 
 class PatchMerger(nn.Module):
@@ -114,7 +112,9 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, cfg.out_dim))
 
     def forward(self, x):
-        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+        # x: [S, D] float32 residual stream -> [S / mu, out_dim]
+        _, y = add_norm(x, None, *norm_args(self.ln_q))
+        return self.mlp(y.view(-1, self.hidden))
 
 
 class PatchEmbed(nn.Module):
@@ -123,8 +123,9 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Linear(cfg.patch_dim, cfg.width, bias=False)
 
     def forward(self, x):
-        # x: [S, C*T*P*P] flattened patches (any float dtype) -> [S, D]
-        return self.proj(x.to(self.proj.weight.dtype))
+        # x: [S, C*T*P*P] flattened patches -> [S, D] float32: the start of the float32 residual
+        # stream; pixels are not rounded to bf16 (a small GEMM, 1176 -> D)
+        return F.linear(x.float(), self.proj.weight.float())
 
 
 class QwenVisionTower(nn.Module):
@@ -179,7 +180,8 @@ class QwenVisionTower(nn.Module):
 
     def fuse_for_speed(self, pad_mlp: int = 128) -> None:
         """Inference-only layout changes, all exact: MLP width padded, gate and up in one GEMM."""
-        if pad_mlp:
+        fused_already = any(hasattr(blk.mlp, "gate_up") for blk in self.blocks)
+        if pad_mlp and not fused_already:
             self.pad_mlp_width(pad_mlp)
         for blk in self.blocks:
             if isinstance(blk.mlp, SwiGLUMLP) and not hasattr(blk.mlp, "gate_up"):
@@ -195,10 +197,10 @@ class QwenVisionTower(nn.Module):
         delta = None
         for blk in self.blocks:
             x, delta = blk(x, delta, meta)
-        return x + delta
+        return x + delta  # float32
 
     def merge(self, x: torch.Tensor, meta: VisionMeta) -> torch.Tensor:
-        # x: [S, D] -> [S / mu, out_dim] in HF token order
+        # x: [S, D] float32 -> [S / mu, out_dim] in HF token order
         y = self.merger(x)
         if meta.window_inverse is not None:
             y = y[meta.window_inverse]

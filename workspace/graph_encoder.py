@@ -31,7 +31,8 @@ class GraphEncoder:
             vision_encoder.model.fuse_for_speed(pad_mlp)
         limit = max_image_patches(vision_encoder)
         if buckets is None:
-            table = default_table(limit)
+            cap = vision_encoder.model.backend.max_graph_tokens
+            table = default_table(limit, max_budget=min(32768, cap or 32768))
         elif isinstance(buckets, BucketTable):
             table = buckets
         else:

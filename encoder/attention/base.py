@@ -23,6 +23,9 @@ class AttentionBackend(ABC):
 
     #: registry name, e.g. "sdpa"
     name: str = ""
+    #: largest bucket budget this backend should be captured at (None: no limit). Backends whose
+    #: memory grows quadratically with the bucket declare it, so the default table stays capturable
+    max_graph_tokens: int | None = None
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

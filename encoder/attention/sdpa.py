@@ -17,6 +17,8 @@ from .base import AttentionBackend
 
 class SdpaAttention(AttentionBackend):
     name = "sdpa"
+    # the dense layout needs an [S, S] mask; at 32768 tokens SDPA asked for 16 GiB on the H200
+    max_graph_tokens = 8192
 
     def forward(self, q, k, v, cu_seqlens, max_seqlen, out):
         # two static-shape layouts; take the one with fewer score entries
