@@ -20,7 +20,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["BucketError", "BucketKey", "BucketTable", "Pack"]
+__all__ = ["BucketError", "BucketKey", "BucketTable", "Pack", "default_table"]
 
 
 class BucketError(ValueError):
@@ -104,6 +104,10 @@ class BucketTable:
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("BucketTable is immutable")
+
+    def __reduce__(self):
+        # rebuilt from its keys: tables travel through Ray (pickle) to replicas and routers
+        return (BucketTable, (self._keys,))
 
     # -- constructors ------------------------------------------------------------------------------------
 
@@ -248,3 +252,9 @@ class BucketTable:
         """
         replicas = _positive_int(num_replicas, "num_replicas")
         return {key: rank % replicas for rank, key in enumerate(reversed(self._keys))}
+
+
+def default_table(max_budget: int = 32768, min_budget: int = 256) -> BucketTable:
+    """The engine's default: powers of two from one 224x224 image (256 patches) to a batch that
+    fills the GPU; up to one image per 64 patches (112x112), at most 256 images per replay."""
+    return BucketTable.powers_of_two(min_budget, max_budget, max_images=lambda b: max(1, min(b // 64, 256)), granule=4)

@@ -6,8 +6,8 @@ import torch
 
 from encoder.api import VisionEncoder, check_pooling
 from encoder.patch_batch import PatchBatch
-from workspace.buckets import BucketTable
-from workspace.runner import GraphRunner, default_table
+from workspace.buckets import BucketTable, default_table
+from workspace.runner import GraphRunner
 
 
 def max_image_patches(enc: VisionEncoder) -> int:
@@ -32,7 +32,7 @@ class GraphEncoder:
         limit = max_image_patches(vision_encoder)
         if buckets is None:
             cap = vision_encoder.model.backend.max_graph_tokens
-            table = default_table(limit, max_budget=min(32768, cap or 32768))
+            table = default_table(max_budget=min(32768, cap or 32768))
         elif isinstance(buckets, BucketTable):
             table = buckets
         else:

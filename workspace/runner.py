@@ -52,12 +52,6 @@ class RunnerStats:
         }
 
 
-def default_table(max_image_patches: int, max_budget: int = 32768, min_budget: int = 256) -> BucketTable:
-    """Powers of two from one small image to a batch that fills the GPU; up to one image per 64
-    patches (a 112x112 image), at most 256 images per replay."""
-    return BucketTable.powers_of_two(min_budget, max_budget, max_images=lambda b: max(1, min(b // 64, 256)), granule=4)
-
-
 class GraphRunner:
     def __init__(
         self,

@@ -1,0 +1,317 @@
+"""Service benchmark (one process, one device call): engine-only img/s, then the same 224x224 images
+through Serve handles and over HTTP, and optionally the bucket router against Ray's default router.
+
+Prints a markdown table (and writes JSON with --json). Phases:
+  engine      GraphEncoder alone: resized uint8 224x224 images -> stack_patchify -> encode (mean),
+              batches of 1 and of --engine-batch images, in this process.
+  handle x1   --clients concurrent callers of `embed([one 224x224 uint8 array])` on the ingress handle.
+  handle x32  --clients callers of `embed(32 arrays)`.
+  http        --clients connections posting one 224x224 PNG data URL each to /v1/embeddings.
+  http idle   one request at a time: latency at idle.
+  router      (--router-compare) 2 replicas x 0.5 GPU, handle callers, 90% 224x224 / 10% 1344x1344:
+              small-image latency and total img/s, Ray's default router vs deployments.router:BucketRouter.
+
+GPU (H200):  python benchmarks/service.py --model qwen2.5-vl-7b --replicas-per-gpu 2 --ingress-replicas 4
+CPU check:   python benchmarks/service.py --model tiny --quick
+Ray's proxy alternatives are environment flags read when Serve starts, e.g.
+  RAY_SERVE_ENABLE_HA_PROXY=1 python benchmarks/service.py ...   (or RAY_SERVE_ENABLE_DIRECT_INGRESS=1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import gc
+import io
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # before ray.init: Ray workers inherit the driver's sys.path
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-vl-7b")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--attention", default=None)
+    p.add_argument("--buckets", default=None)
+    p.add_argument("--replicas-per-gpu", type=int, default=1, help="encoder replicas sharing each GPU")
+    p.add_argument("--replicas", type=int, default=None, help="encoder replicas on CPU (default 1)")
+    p.add_argument("--ingress-replicas", type=int, default=2)
+    p.add_argument("--ingress-batch-size", type=int, default=32, help="0: no ingress batching")
+    p.add_argument("--ingress-wait", type=float, default=0.002)
+    p.add_argument("--batcher", default="serve", choices=["serve", "continuous"])
+    p.add_argument("--batch-wait", type=float, default=0.002)
+    p.add_argument("--router", default=None, help="request router import path for the main phases")
+    p.add_argument("--router-compare", action="store_true", help="add the mixed-load router comparison")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--client-procs", type=int, default=0, help="spread callers over N Ray actors (0: this process)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per measured phase")
+    p.add_argument("--engine-batch", type=int, default=32)
+    p.add_argument("--quick", action="store_true", help="short phases, few clients (a CPU smoke run)")
+    p.add_argument("--json", default=None, help="write the results here too")
+    a = p.parse_args()
+    if a.quick:
+        a.duration, a.clients, a.engine_batch = 2.0, min(a.clients, 8), min(a.engine_batch, 8)
+    return a
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def images(side: int, n: int, pp, seed: int = 0) -> list[np.ndarray]:
+    from encoder.preprocess import load_image, resize_image
+
+    rng = np.random.default_rng(seed)
+    return [resize_image(load_image(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)), pp) for _ in range(n)]
+
+
+def png_body(img: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return json.dumps({"input": [url]}).encode()
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+def engine_phase(a, device: str) -> list[dict]:
+    import encoder
+    from deployments.config import AppArgs, bucket_table
+    from deployments.replica import stack_patchify
+    from workspace import GraphEncoder
+
+    vision = encoder.load(a.model, device=device, dtype=a.dtype, attention=a.attention)
+    eng = GraphEncoder(vision, bucket_table(AppArgs(buckets=a.buckets), device, vision.config.merge_unit))
+    imgs = images(224, a.engine_batch, vision.preprocess_config)
+    rows = []
+    for n in sorted({1, a.engine_batch}):
+        batch = imgs[:n]
+
+        def step(batch=batch):
+            eng.encode(stack_patchify(batch, vision.preprocess_config, vision.device), pooling="mean")
+
+        for _ in range(3):
+            step()
+        times, deadline = [], time.perf_counter() + min(a.duration, 5)
+        while time.perf_counter() < deadline or len(times) < 3:
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        med = statistics.median(times)
+        rows.append({"phase": f"engine x{n}", "img_s": n / med, "p50_ms": med * 1e3, "p99_ms": pct(times, 99) * 1e3})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ load
+
+
+async def run_load(kind: str, target, payloads: list, clients: int, duration: float, per_call: int = 1) -> dict:
+    """Closed loop: `clients` callers, each sending payloads[i % len] until `duration` ends.
+
+    kind "handle": target is an ingress DeploymentHandle, payload a list of uint8 arrays;
+    kind "http": target a base URL, payload a JSON body. Returns images and per-call latencies.
+    """
+    latencies: dict[int, list[float]] = {}
+    count = 0
+    session = None
+    if kind == "http":
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=clients)
+        session = aiohttp.ClientSession(connector=connector, headers={"content-type": "application/json"})
+
+    async def call(payload):
+        if kind == "handle":
+            await target.embed.remote(payload)
+        else:
+            async with session.post(f"{target}/v1/embeddings", data=payload) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+                await r.read()
+
+    async def client(i: int, stop: float) -> None:
+        nonlocal count
+        k = i
+        while time.perf_counter() < stop:
+            payload = payloads[k % len(payloads)]
+            t = time.perf_counter()
+            await call(payload)
+            latencies.setdefault(k % len(payloads), []).append(time.perf_counter() - t)
+            count += per_call
+            k += clients
+
+    try:
+        await asyncio.gather(*(client(i, time.perf_counter() + min(1.0, duration / 4)) for i in range(clients)))  # warm
+        latencies.clear()
+        count, start = 0, time.perf_counter()
+        await asyncio.gather(*(client(i, start + duration) for i in range(clients)))
+        elapsed = time.perf_counter() - start
+    finally:
+        if session is not None:
+            await session.close()
+    return {"images": count, "seconds": elapsed, "latencies": latencies}
+
+
+def load(a, kind: str, target, payloads: list, clients: int, per_call: int = 1, app_name: str = "bench") -> dict:
+    """Run the closed loop here, or split over --client-procs Ray actors; merge their results."""
+    if a.client_procs <= 0 or clients < 2:
+        return asyncio.run(run_load(kind, target, payloads, clients, a.duration, per_call))
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Caller:
+        async def run(self, kind, target, payloads, clients, duration, per_call):
+            if kind == "handle":
+                from ray import serve
+
+                target = serve.get_app_handle(app_name)
+            return await run_load(kind, target, payloads, clients, duration, per_call)
+
+    procs = min(a.client_procs, clients)
+    actors = [Caller.remote() for _ in range(procs)]
+    tgt = target if kind == "http" else None
+    parts = ray.get([c.run.remote(kind, tgt, payloads, clients // procs + (i < clients % procs), a.duration, per_call)
+                     for i, c in enumerate(actors)])  # fmt: skip
+    merged = {"images": sum(p["images"] for p in parts), "seconds": max(p["seconds"] for p in parts), "latencies": {}}
+    for p in parts:
+        for key, values in p["latencies"].items():
+            merged["latencies"].setdefault(key, []).extend(values)
+    for actor in actors:
+        ray.kill(actor)
+    return merged
+
+
+def row(name: str, result: dict, keys=None) -> dict:
+    """A table row; `keys` restricts latencies and img/s to those payload slots (one image per call)."""
+    lat = [v for k, vs in result["latencies"].items() if keys is None or k in keys for v in vs]
+    done = result["images"] if keys is None else len(lat)
+    return {"phase": name, "img_s": done / result["seconds"], "p50_ms": pct(lat, 50) * 1e3,
+            "p99_ms": pct(lat, 99) * 1e3, "calls": len(lat)}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ service
+
+
+def app_args(a, gpus: int, **over) -> dict:
+    per_gpu = max(1, a.replicas_per_gpu)
+    args = {
+        "model": a.model, "dtype": a.dtype, "attention": a.attention, "buckets": a.buckets,
+        "num_replicas": per_gpu * gpus if gpus else (a.replicas or 1),
+        "num_gpus": 1 / per_gpu if gpus else 0, "num_cpus": 0.5,
+        "batcher": a.batcher, "batch_wait_timeout_s": a.batch_wait,
+        "ingress_replicas": a.ingress_replicas, "ingress_batch_size": a.ingress_batch_size,
+        "ingress_batch_wait_timeout_s": a.ingress_wait, "request_router_class": a.router,
+    }  # fmt: skip
+    args.update(over)
+    return {k: v for k, v in args.items() if v is not None}
+
+
+def deploy(args: dict):
+    from ray import serve
+
+    import deployments
+
+    t = time.perf_counter()
+    handle = serve.run(deployments.build_app(args), name="bench", route_prefix="/")
+    print(f"deployed in {time.perf_counter() - t:.1f}s: {json.dumps(args)}", file=sys.stderr, flush=True)
+    return handle
+
+
+def service_phases(a, gpus: int, base_url: str) -> list[dict]:
+    from ray import serve
+
+    handle = deploy(app_args(a, gpus))
+    pp_dict = handle.info.remote().result()["preprocess"]
+    from encoder.preprocess import PreprocessConfig
+
+    imgs = images(224, 64, PreprocessConfig.model_validate(pp_dict), seed=1)
+    rows = [row("handle x1", load(a, "handle", handle, [[x] for x in imgs], a.clients))]
+    batches = [imgs[:32], imgs[32:]]
+    rows.append(row("handle x32", load(a, "handle", handle, batches, a.clients, per_call=32)))
+    bodies = [png_body(x) for x in imgs]
+    rows.append(row("http", load(a, "http", base_url, bodies, a.clients)))
+    idle = asyncio.run(run_load("http", base_url, bodies, 1, min(a.duration, 5)))
+    rows.append(row("http idle (1 conn)", idle))
+    stats = handle.ingress_stats.remote().result()
+    print(f"ingress replica stats (one of {a.ingress_replicas}): {stats}", file=sys.stderr)
+    serve.delete("bench")
+    return rows
+
+
+def router_phases(a, gpus: int) -> list[dict]:
+    from ray import serve
+
+    from encoder.preprocess import PreprocessConfig
+
+    rows = []
+    for router in (None, "deployments.router:BucketRouter"):
+        over = {"num_replicas": 2, "num_gpus": 0.5 if gpus else 0, "request_router_class": router,
+                "ingress_batch_size": 0}  # fmt: skip
+        handle = deploy(app_args(a, gpus, **over))
+        pp = PreprocessConfig.model_validate(handle.info.remote().result()["preprocess"])
+        small, large = images(224, 9, pp, seed=2), images(1344, 1, pp, seed=3)
+        payloads = [[x] for x in small] + [[x] for x in large]  # 10 slots: 90% small, 10% large
+        result = load(a, "handle", handle, payloads, a.clients)
+        name = router.rsplit(":", 1)[-1] if router else "default router"
+        rows.append(row(f"mixed, {name}: 224x224", result, keys=set(range(9))))
+        rows.append(row(f"mixed, {name}: 1344x1344", result, keys={9}))
+        serve.delete("bench")
+    return rows
+
+
+def main() -> None:
+    a = parse_args()
+    import ray
+    import torch
+    from ray import serve
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpus = torch.cuda.device_count()
+    rows = engine_phase(a, device)
+    gc.collect()  # the engine's graphs and pool go before the replicas capture theirs
+    if gpus:
+        torch.cuda.empty_cache()
+    ray.init(num_cpus=max(8, os.cpu_count() or 1) if not gpus else None, include_dashboard=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        rows += service_phases(a, gpus, f"http://127.0.0.1:{port}")
+        if a.router_compare:
+            rows += router_phases(a, gpus)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    engine = max(r["img_s"] for r in rows if r["phase"].startswith("engine"))
+    print(f"\nmodel {a.model} on {torch.cuda.get_device_name() if gpus else 'CPU'}; {a.clients} clients, "
+          f"{a.duration:g}s per phase; replicas/GPU {a.replicas_per_gpu}, ingress replicas {a.ingress_replicas}, "
+          f"ingress batch {a.ingress_batch_size}, batcher {a.batcher}\n")  # fmt: skip
+    print("| phase | img/s | p50 ms | p99 ms | % of engine |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        share = 100 * r["img_s"] / engine
+        print(f"| {r['phase']} | {r['img_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {share:.0f}% |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""`build_app(args)`: the Serve application (ingress -> encoder replicas). Not named `app.py`: a submodule
+of that name would shadow the `deployments.app` attribute that `serve run deployments:app` reads."""
+
+from __future__ import annotations
+
+import logging
+
+from ray.serve.config import RequestRouterConfig
+
+from .config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
+from .ingress import VisionIngress
+from .replica import EncoderReplica
+
+logger = logging.getLogger("ray.serve")
+
+
+def build_app(args: dict | AppArgs | None = None):
+    """The application: `VisionIngress` (CPU, HTTP + `embed`) bound to `EncoderReplica`s.
+
+    `args`: an `AppArgs` or a dict of its fields (strings from the Serve CLI are coerced).
+    `serve run deployments:build_app model=tiny num_replicas=2`.
+    """
+    a = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args or {}))
+    gpus = resolve_num_gpus(a)
+    # Replicas re-derive the device from the same args, so pin the GPU decision made here.
+    a = a.model_copy(update={"num_gpus": gpus})
+    plain = a.model_dump(mode="json")
+    router = {}
+    if a.request_router_class:
+        router["request_router_class"] = a.request_router_class
+        router["request_router_kwargs"] = dict(a.request_router_kwargs)
+    encoder = EncoderReplica.options(
+        name=ENCODER_NAME,
+        num_replicas=a.num_replicas,
+        max_ongoing_requests=a.max_ongoing_requests,
+        ray_actor_options={"num_cpus": a.num_cpus, "num_gpus": gpus},
+        request_router_config=RequestRouterConfig(request_routing_stats_period_s=a.routing_stats_period_s, **router),
+    )
+    ingress = VisionIngress.options(
+        name=INGRESS_NAME,
+        num_replicas=a.ingress_replicas,
+        max_ongoing_requests=a.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": a.ingress_num_cpus},
+    )
+    logger.info(
+        "vision app: model=%s, %d encoder replica(s) x %g GPU / %g CPU, %d ingress replica(s), router=%s",
+        a.model, a.num_replicas, gpus, a.num_cpus, a.ingress_replicas, a.request_router_class or "default",
+    )  # fmt: skip
+    return ingress.bind(encoder.bind(plain), plain)

@@ -1,0 +1,104 @@
+"""Embed the images of Parquet / Arrow IPC files: `python -m deployments.batch --input PATH --output DIR`.
+
+Output: Parquet parts in DIR with every non-image input column, `embedding` and `error` (see
+README "Batch jobs"), plus DIR/_manifest.json. Re-running the same command resumes: finished
+parts are skipped. Exit status: 0 when the job is complete, 2 for a usage/input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from encoder.errors import EncoderError
+from workspace.buckets import BucketError
+
+from .job import JobConfig, run_job
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    p = argparse.ArgumentParser(
+        prog="python -m deployments.batch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--input", required=True, nargs="+", help="Parquet / Arrow IPC files or directories")
+    p.add_argument("--output", required=True, help="output directory (created; holds parts and the manifest)")
+    p.add_argument("--image-column", default="image", help="binary (encoded images) or string (local paths)")
+    p.add_argument("--id-column", default="id", help="column naming rows in the summary (default: id, if present)")
+    p.add_argument("--model", default="tiny", help="preset name or local Hugging Face checkpoint directory")
+    p.add_argument("--pooling", default="mean", choices=["mean", "none"], help="mean vector or every token")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--attention", default=None, help="attention backend (default: the encoder's)")
+    p.add_argument("--buckets", default=None, help="bucket budgets, e.g. 'pow2:256-32768' (default: the service's)")
+    p.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=None,
+        help="rows per encoder batch (default: ~2 largest buckets of patches at the sampled image size)",
+    )
+    p.add_argument(
+        "--part-rows",
+        type=_positive,
+        default=None,
+        help="rows per output part (default: 10000 for mean, 1000 for none)",
+    )
+    p.add_argument("--decode-batch-size", type=_positive, default=32, help="rows per CPU decode task")
+    p.add_argument("--decode-concurrency", type=_positive, default=None, help="max decode tasks at once")
+    p.add_argument(
+        "--num-gpus",
+        type=_non_negative,
+        default=None,
+        help="GPU encoder actors, one GPU each (default: all GPUs; 0 = CPU)",
+    )
+    p.add_argument("--num-actors", type=_positive, default=None, help="CPU encoder actors when there are no GPUs")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
+    p.add_argument("--no-progress", action="store_true", help="no Ray Data progress bars")
+    a = p.parse_args(argv)
+    return JobConfig(
+        input=a.input,
+        output=a.output,
+        image_column=a.image_column,
+        id_column=a.id_column or None,
+        model=a.model,
+        pooling=a.pooling,
+        dtype=a.dtype,
+        attention=a.attention,
+        buckets=a.buckets,
+        batch_size=a.batch_size,
+        part_rows=a.part_rows,
+        decode_batch_size=a.decode_batch_size,
+        decode_concurrency=a.decode_concurrency,
+        num_gpus=a.num_gpus,
+        num_actors=a.num_actors,
+        progress=not a.no_progress,
+        address=a.address,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    try:
+        summary = run_job(cfg)
+    except (EncoderError, BucketError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0 if summary.complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""`embed_dataset`: images in an Arrow column -> embeddings, with Ray Data.
+
+The pipeline has two stages:
+
+1. **decode** (Ray tasks, CPU): each row's image (encoded bytes, or a local file path) is decoded,
+   checked and resized to the model's size with `encoder.preprocess` (`load_image`, `resize_image`).
+   The stage ships compact uint8 pixels (a quarter of the bytes of float32 patches) plus the
+   patch count; a bad image becomes an `error` string on its row, never an exception.
+2. **encode** (`EncoderActor`, an actor pool; one GPU per actor where GPUs exist): the actor builds
+   a `workspace.GraphEncoder` in its constructor (CUDA graphs captured there), normalises and
+   patchifies on its device, orders each batch so the runner's packs fill the largest bucket
+   (first-fit decreasing), runs it and adds the `embedding` column.
+
+Ray Data batches by rows, so rows per encoder batch are chosen from the typical patch count
+(about two largest buckets of patches per batch); inside a batch the actor re-orders images by the
+bucket table. Rows out = rows in, in any order; every non-image column is passed through.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+import encoder
+from encoder.checkpoint import load_config, read_json
+from encoder.config import preset
+from encoder.errors import InvalidArgumentError
+from encoder.patch_batch import PatchBatch
+from encoder.preprocess import PreprocessConfig, load_image, num_patches, patchify, resize_image
+from workspace.buckets import BucketKey, BucketTable, default_table
+from workspace.graph_encoder import GraphEncoder
+
+# Internal columns between the stages; never in the output.
+PIXELS = "_ve_pixels"  # large_binary: uint8 H*W*3, row-major RGB, at the model's size
+HEIGHT = "_ve_height"  # int32: resized height (multiple of patch_size * merge_size)
+WIDTH = "_ve_width"  # int32
+PATCHES = "_ve_patches"  # int32: patches (grid t*h*w) of the resized image; 0 for error rows
+INTERNAL = (PIXELS, HEIGHT, WIDTH, PATCHES)
+
+# Output columns.
+EMBEDDING = "embedding"
+ERROR = "error"
+NUM_TOKENS = "num_tokens"
+GRID_H = "grid_h"
+GRID_W = "grid_w"
+OUTPUT_COLUMNS = (EMBEDDING, ERROR, NUM_TOKENS, GRID_H, GRID_W)
+
+POOLINGS = ("mean", "none")
+
+# Without CUDA nothing is captured and every pack runs eagerly, padded to its bucket; the reference
+# attention's cost grows with the square of the bucket budget, so small buckets are much faster on a
+# CPU (300 small images: 8 s with these, 127 s with the default 256..32768 table).
+CPU_BUCKETS = "256,512"
+
+
+# ------------------------------------------------------------------------------------- configuration
+
+
+def preprocess_config_for(model: str) -> PreprocessConfig:
+    """The preprocessing `encoder.load(model)` uses, without building the model (cheap, driver side)."""
+    path = Path(model)
+    if path.is_dir():
+        config = load_config(path)
+        if (path / "preprocessor_config.json").exists():
+            return PreprocessConfig.from_hf_dict(read_json(path / "preprocessor_config.json"))
+    else:
+        config = preset(model)
+    return PreprocessConfig(
+        patch_size=config.patch_size,
+        temporal_patch_size=config.temporal_patch_size,
+        merge_size=config.spatial_merge_size,
+    )
+
+
+def effective_buckets(buckets: Any, gpus: int) -> Any:
+    """The bucket spec the encoder actors use: the caller's, else the default table (CPU_BUCKETS without GPUs)."""
+    return CPU_BUCKETS if buckets is None and gpus == 0 else buckets
+
+
+def bucket_table_for(model: str, buckets: Any = None) -> BucketTable:
+    """The bucket table a `GraphEncoder(load(model), buckets)` would use (driver side, no weights)."""
+    if isinstance(buckets, BucketTable):
+        return buckets
+    if _is_key_list(buckets):
+        return BucketTable([BucketKey(b, m) for b, m in buckets])
+    pp = preprocess_config_for(model)
+    if buckets is None:
+        return default_table()
+    merge_unit = pp.merge_size**2
+    return BucketTable.parse(buckets, granule=merge_unit)
+
+
+def _is_key_list(buckets: Any) -> bool:
+    return isinstance(buckets, list | tuple) and all(isinstance(k, list | tuple) and len(k) == 2 for k in buckets)
+
+
+def portable_buckets(buckets: Any) -> Any:
+    """A picklable bucket spec (BucketTable refuses pickling): a table becomes [(budget, max_images)]."""
+    if isinstance(buckets, BucketTable):
+        return [(k.budget, k.max_images) for k in buckets]
+    return buckets
+
+
+def rows_per_batch(table: BucketTable, typical_patches: int, fill: int = 2) -> int:
+    """Rows per encoder batch so a batch holds about `fill` largest buckets of patches."""
+    largest = table.largest
+    rows = round(fill * largest.budget / max(1, typical_patches))
+    return int(min(max(rows, 1), fill * largest.max_images))
+
+
+def gpus_in_cluster() -> int:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+# ------------------------------------------------------------------------------------- decode stage
+
+
+def image_column_kind(typ: pa.DataType) -> str:
+    """'bytes', 'path' or 'struct' (Hugging Face `datasets` Image: struct<bytes, path>) for a column type."""
+    if pa.types.is_binary(typ) or pa.types.is_large_binary(typ) or pa.types.is_fixed_size_binary(typ):
+        return "bytes"
+    if getattr(pa.types, "is_binary_view", lambda _t: False)(typ):
+        return "bytes"
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        return "path"
+    if getattr(pa.types, "is_string_view", lambda _t: False)(typ):
+        return "path"
+    if pa.types.is_struct(typ) and {typ.field(i).name for i in range(typ.num_fields)} >= {"bytes", "path"}:
+        return "struct"
+    raise InvalidArgumentError(
+        f"image column has type {typ}; expected binary (encoded image bytes), string (local file paths) "
+        "or struct<bytes, path>"
+    )
+
+
+def check_input_schema(schema: pa.Schema, image_column: str) -> None:
+    """Fail early (before any work) on a missing image column or a clash with output column names."""
+    if image_column not in schema.names:
+        raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
+    image_column_kind(schema.field(image_column).type)
+    clash = sorted(set(schema.names) & (set(OUTPUT_COLUMNS) | set(INTERNAL)))
+    if clash:
+        raise InvalidArgumentError(
+            f"input column(s) {', '.join(clash)} would be overwritten by the output; rename them first"
+        )
+
+
+def _read_path(value: str, root: str | None) -> bytes:
+    if value.startswith("file://"):
+        value = value[len("file://") :]
+    path = Path(value)
+    if not path.is_absolute() and root is not None:
+        path = Path(root) / path
+    return path.read_bytes()
+
+
+def _image_bytes(value: Any, kind: str, root: str | None) -> bytes:
+    if kind == "struct":
+        if value is None:
+            value = {}
+        if value.get("bytes") is not None:
+            return value["bytes"]
+        if value.get("path") is not None:
+            return _read_path(value["path"], root)
+        raise encoder.ImageDecodeError("image is null")
+    if value is None:
+        raise encoder.ImageDecodeError("image is null")
+    return _read_path(value, root) if kind == "path" else bytes(value)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or repr(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+def decode_batch(table: pa.Table, *, image_column: str, pp: PreprocessConfig, path_root: str | None) -> pa.Table:
+    """Decode + resize one batch; returns the non-image columns plus pixels, sizes, patches and `error`.
+
+    Never raises for a bad image: its row gets pixels = null, patches = 0 and the reason in `error`.
+    """
+    check_input_schema(table.schema, image_column)
+    kind = image_column_kind(table.schema.field(image_column).type)
+    values = table.column(image_column).to_pylist()
+    pixels: list[bytes | None] = []
+    heights, widths, patches, errors = [], [], [], []
+    for value in values:
+        try:
+            array = resize_image(load_image(_image_bytes(value, kind, path_root), pp), pp)
+        except Exception as exc:  # a bad row must never fail the job (Pillow raises many types)
+            pixels.append(None)
+            heights.append(0)
+            widths.append(0)
+            patches.append(0)
+            errors.append(_describe(exc))
+            continue
+        h, w, _ = array.shape
+        pixels.append(array.tobytes())
+        heights.append(h)
+        widths.append(w)
+        patches.append((h // pp.patch_size) * (w // pp.patch_size))
+        errors.append(None)
+    out = table.drop_columns([image_column])
+    out = out.append_column(PIXELS, pa.array(pixels, type=pa.large_binary()))
+    out = out.append_column(HEIGHT, pa.array(heights, type=pa.int32()))
+    out = out.append_column(WIDTH, pa.array(widths, type=pa.int32()))
+    out = out.append_column(PATCHES, pa.array(patches, type=pa.int32()))
+    return out.append_column(ERROR, pa.array(errors, type=pa.string()))
+
+
+def header_patches(value: Any, kind: str, pp: PreprocessConfig, path_root: str | None) -> int | None:
+    """Patch count from the image header only (no pixel decode); None when unreadable."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(_image_bytes(value, kind, path_root))) as img:
+            width, height = img.size
+        return num_patches(height, width, pp)
+    except Exception:
+        return None
+
+
+def typical_patches_of(values: list, kind: str, pp: PreprocessConfig, path_root: str | None, default=256) -> int:
+    """Median patch count of a sample of image-column values (header reads only)."""
+    counts = [c for c in (header_patches(v, kind, pp, path_root) for v in values) if c]
+    return int(statistics.median(counts)) if counts else default
+
+
+# ------------------------------------------------------------------------------------- encode stage
+
+
+def fill_order(counts: list[int], sizes: list[tuple[int, int]], largest: BucketKey) -> list[int]:
+    """Order images so the runner's greedy in-order packing fills buckets (first-fit decreasing).
+
+    Images go, largest first, into the first bin (capacity: the largest bucket's budget and image
+    count) with room; bins are emitted in creation order. Every image of a later bin did not fit any
+    earlier bin when it was placed, and bins only grow, so `BucketTable.pack` over this order cuts
+    exactly at the bin boundaries. Inside a bin, images of one size are adjacent (one patchify call
+    per run of equal sizes). Images above the largest budget get a bin of their own (run eagerly).
+    """
+    bins: list[list[int]] = []
+    totals: list[float] = []
+    for i in sorted(range(len(counts)), key=lambda j: (-counts[j], j)):
+        c = counts[i]
+        for b, members in enumerate(bins):
+            if totals[b] + c <= largest.budget and len(members) < largest.max_images:
+                members.append(i)
+                totals[b] += c
+                break
+        else:
+            bins.append([i])
+            totals.append(c if c <= largest.budget else math.inf)
+    return [i for members in bins for i in sorted(members, key=lambda j: (sizes[j], j))]
+
+
+def _fixed_size_list(values: np.ndarray, dim: int, null_mask: np.ndarray | None) -> pa.Array:
+    flat = pa.array(values.reshape(-1), type=pa.float32())
+    mask = pa.array(null_mask) if null_mask is not None and null_mask.any() else None
+    return pa.FixedSizeListArray.from_arrays(flat, dim, mask=mask)
+
+
+def _pixel_rows(column: pa.ChunkedArray | pa.Array, device: torch.device) -> list[torch.Tensor | None]:
+    """Each row's pixel bytes as a flat uint8 tensor on `device` (None for null rows).
+
+    One host-to-device copy per Arrow chunk, no host-side concatenation: rows are views into it.
+    """
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    rows: list[torch.Tensor | None] = []
+    for arr in chunks:
+        n = len(arr)
+        if n == 0:
+            continue
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[arr.offset : arr.offset + n + 1]
+        data = arr.buffers()[2]
+        if data is None or offsets[-1] == offsets[0]:
+            rows.extend([None] * n)
+            continue
+        with warnings.catch_warnings():  # Ray hands read-only, zero-copy buffers; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(np.frombuffer(data, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])])
+        if device.type != "cpu":
+            flat = flat.to(device)
+        base = int(offsets[0])
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        for i in range(n):
+            lo, hi = int(offsets[i]) - base, int(offsets[i + 1]) - base
+            rows.append(flat[lo:hi] if valid[i] else None)
+    return rows
+
+
+class EncoderActor:
+    """Ray Data callable class: uint8 pixels -> `embedding` column. One per GPU (or CPU worker).
+
+    The `GraphEncoder` is built (and, on CUDA, every bucket graph captured) in the constructor, so
+    graph capture happens once per actor, before its first batch.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        pooling: str = "mean",
+        buckets: Any = None,
+        dtype: str | None = None,
+        attention: str | None = None,
+        preprocess_config: PreprocessConfig | None = None,
+    ):
+        if pooling not in POOLINGS:
+            raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+        start = time.perf_counter()
+        self.pooling = pooling
+        self.vision = encoder.load(model, dtype=dtype, attention=attention)
+        if preprocess_config is not None and preprocess_config != self.vision.preprocess_config:
+            raise InvalidArgumentError("the decode stage's preprocessing differs from the model's (driver/actor drift)")
+        self.pp = self.vision.preprocess_config
+        if _is_key_list(buckets):
+            buckets = BucketTable([BucketKey(b, m) for b, m in buckets])
+        self.engine = GraphEncoder(self.vision, buckets)
+        self.device = self.vision.device
+        self.dim = self.vision.out_dim
+        stats = self.engine.stats()
+        print(
+            f"[deployments.batch] encoder {self.vision.name} on {self.device} ({self.vision.dtype}): "
+            f"{len(self.engine.table)} buckets up to {self.engine.table.largest.budget} patches, "
+            f"{stats['captures']} graphs captured in {stats['capture_seconds']:.1f} s, "
+            f"ready in {time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    # -- one Ray Data batch -------------------------------------------------------------------------
+    def __call__(self, table: pa.Table) -> pa.Table:
+        n = table.num_rows
+        errors = table.column(ERROR).to_pylist()
+        ok = [i for i in range(n) if errors[i] is None]
+        counts = table.column(PATCHES).to_numpy(zero_copy_only=False)
+        heights = table.column(HEIGHT).to_numpy(zero_copy_only=False)
+        widths = table.column(WIDTH).to_numpy(zero_copy_only=False)
+        results: dict[int, torch.Tensor] = {}
+        if ok:
+            rows = _pixel_rows(table.column(PIXELS), self.device)
+
+            def image(i: int) -> torch.Tensor:
+                return rows[i].view(int(heights[i]), int(widths[i]), 3)
+
+            order = [
+                ok[j]
+                for j in fill_order(
+                    [int(counts[i]) for i in ok],
+                    [(int(heights[i]), int(widths[i])) for i in ok],
+                    self.engine.table.largest,
+                )
+            ]
+            results = self._encode(order, image, heights, widths, errors)
+        return self._output(table, results, errors)
+
+    def _patch_batch(self, order: list[int], image, heights, widths) -> PatchBatch:
+        p = self.pp.patch_size
+        parts, grid = [], []
+        start = 0
+        while start < len(order):  # one patchify per run of equal sizes: a vertical stack of images
+            end = start + 1
+            size = (heights[order[start]], widths[order[start]])
+            while end < len(order) and (heights[order[end]], widths[order[end]]) == size:
+                end += 1
+            run = [image(i) for i in order[start:end]]
+            parts.append(patchify(run[0] if len(run) == 1 else torch.cat(run), self.pp))
+            grid.extend([(1, int(size[0]) // p, int(size[1]) // p)] * (end - start))
+            start = end
+        return PatchBatch(torch.cat(parts), torch.tensor(grid, dtype=torch.int64).reshape(-1, 3))
+
+    def _encode(self, order, image, heights, widths, errors) -> dict[int, torch.Tensor]:
+        try:
+            outs = self.engine.encode(self._patch_batch(order, image, heights, widths), pooling=self.pooling)
+            return dict(zip(order, outs, strict=True))
+        except Exception as batch_exc:
+            if len(order) == 1:
+                raise
+            # Isolate the culprit: images that fail alone become error rows; if every image fails
+            # alone, the problem is not the data (device, model): fail the job.
+            results = {}
+            for i in order:
+                try:
+                    (out,) = self.engine.encode(self._patch_batch([i], image, heights, widths), pooling=self.pooling)
+                    results[i] = out
+                except Exception as exc:
+                    errors[i] = f"encode failed: {_describe(exc)}"
+            if not results:
+                raise batch_exc
+            return results
+
+    def _output(self, table: pa.Table, results: dict[int, torch.Tensor], errors: list) -> pa.Table:
+        n = table.num_rows
+        valid = np.array([i in results for i in range(n)], dtype=bool)
+        out = table.drop_columns([c for c in (*INTERNAL, ERROR) if c in table.column_names])
+        if self.pooling == "mean":
+            values = np.zeros((n, self.dim), dtype=np.float32)
+            for i, vec in results.items():
+                values[i] = vec.numpy()
+            out = out.append_column(EMBEDDING, _fixed_size_list(values, self.dim, ~valid))
+        else:
+            tokens = [results[i].shape[0] if i in results else 0 for i in range(n)]
+            offsets = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(tokens, out=offsets[1:])
+            flat = [results[i].numpy() for i in range(n) if i in results]
+            values = np.concatenate(flat) if flat else np.zeros((0, self.dim), dtype=np.float32)
+            inner = _fixed_size_list(values, self.dim, None)
+            mask = pa.array(~valid) if not valid.all() else None
+            out = out.append_column(EMBEDDING, pa.ListArray.from_arrays(pa.array(offsets), inner, mask=mask))
+            m = self.vision.config.spatial_merge_size * self.pp.patch_size
+            heights = table.column(HEIGHT).to_numpy(zero_copy_only=False)
+            widths = table.column(WIDTH).to_numpy(zero_copy_only=False)
+            out = out.append_column(NUM_TOKENS, pa.array(np.where(valid, tokens, 0), type=pa.int32()))
+            out = out.append_column(GRID_H, pa.array(np.where(valid, heights // m, 0), type=pa.int32()))
+            out = out.append_column(GRID_W, pa.array(np.where(valid, widths // m, 0), type=pa.int32()))
+        return out.append_column(ERROR, pa.array(errors, type=pa.string()))
+
+
+def output_schema(input_schema: pa.Schema, image_column: str, pooling: str, dim: int) -> pa.Schema:
+    """The schema `embed_dataset` produces for an input schema (documented layout)."""
+    fields = [f for f in input_schema if f.name != image_column]
+    vector = pa.list_(pa.float32(), dim)
+    if pooling == "mean":
+        fields.append(pa.field(EMBEDDING, vector))
+    else:
+        fields += [
+            pa.field(EMBEDDING, pa.list_(vector)),
+            pa.field(NUM_TOKENS, pa.int32()),
+            pa.field(GRID_H, pa.int32()),
+            pa.field(GRID_W, pa.int32()),
+        ]
+    return pa.schema([*fields, pa.field(ERROR, pa.string())])
+
+
+# ------------------------------------------------------------------------------------- the pipeline
+
+
+def embed_dataset(
+    ds,
+    *,
+    model: str = "tiny",
+    image_column: str = "image",
+    pooling: str = "mean",
+    batch_size: int | None = None,
+    typical_patches: int | None = None,
+    num_gpus: int | None = None,
+    num_actors: int | None = None,
+    actor_cpus: float = 1.0,
+    buckets: Any = None,
+    dtype: str | None = None,
+    attention: str | None = None,
+    decode_batch_size: int = 32,
+    decode_concurrency: int | None = None,
+    decode_cpus: float = 1.0,
+    path_root: str | None = None,
+):
+    """Embed the images of `ds[image_column]`; returns a lazy `ray.data.Dataset`.
+
+    Output rows: every input column except the image column, then `embedding` and `error`:
+      * pooling="mean": `embedding` is `fixed_size_list<float32>[out_dim]` (null for error rows);
+      * pooling="none": `embedding` is `list<fixed_size_list<float32>[out_dim]>`, one vector per
+        output token in the merger's order (row-major over the `grid_h` x `grid_w` token grid), plus
+        `num_tokens`, `grid_h`, `grid_w` (int32, 0 for error rows);
+      * `error`: null, or why the row's image could not be embedded (`ImageDecodeError: ...`).
+    Rows out = rows in; row order is not kept (carry an id column).
+
+    The image column holds encoded bytes (binary), local file paths (string; relative ones are
+    resolved against `path_root`, default the caller's working directory) or Hugging Face
+    `datasets` image structs (`struct<bytes, path>`).
+
+    Resources: `num_gpus` encoder actors with one GPU each (default: every GPU in the cluster); with
+    no GPUs, `num_actors` CPU actors (default 1). `batch_size` is rows per encoder batch; by default
+    it is about two of the largest bucket's worth of patches at `typical_patches` per image (sampled
+    from the first rows when not given, which runs the head of `ds` once). Decoding runs as tasks of
+    `decode_batch_size` rows, `decode_cpus` each, at most `decode_concurrency` at once.
+    """
+    import ray.data
+
+    if pooling not in POOLINGS:
+        raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+    if decode_batch_size < 1:
+        raise InvalidArgumentError(f"decode_batch_size must be >= 1, got {decode_batch_size}")
+    pp = preprocess_config_for(model)  # also validates the model name / directory up front
+    schema = ds.schema(fetch_if_missing=False)
+    if schema is not None and image_column not in schema.names:
+        raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
+    gpus = gpus_in_cluster() if num_gpus is None else int(num_gpus)
+    buckets = effective_buckets(buckets, gpus)
+    table = bucket_table_for(model, buckets)
+    root = str(Path.cwd()) if path_root is None else str(path_root)
+    if batch_size is None:
+        if typical_patches is None:
+            sample = ds.select_columns([image_column]).limit(32).take_batch(32, batch_format="pyarrow")
+            kind = image_column_kind(sample.schema.field(image_column).type)
+            typical_patches = typical_patches_of(sample.column(image_column).to_pylist(), kind, pp, root)
+        batch_size = rows_per_batch(table, typical_patches)
+    if batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
+
+    decode_compute = ray.data.TaskPoolStrategy(size=decode_concurrency) if decode_concurrency else None
+    # Small blocks so decoding spreads over many tasks; then blocks of exactly one encoder batch. The
+    # strict repartition is its own stage, which also keeps Ray Data from fusing the decode tasks into
+    # the encoder actors (it would when both ask for the same resources, e.g. on a CPU-only cluster).
+    ds = ds.repartition(target_num_rows_per_block=decode_batch_size, strict=True)
+    ds = ds.map_batches(
+        decode_batch,
+        batch_format="pyarrow",
+        batch_size=None,
+        fn_kwargs={"image_column": image_column, "pp": pp, "path_root": root},
+        num_cpus=decode_cpus,
+        compute=decode_compute,
+        udf_modifying_row_count=False,
+    )
+    ds = ds.repartition(target_num_rows_per_block=batch_size, strict=True)
+    actors = max(1, gpus) if gpus > 0 else max(1, int(num_actors or 1))
+    return ds.map_batches(
+        EncoderActor,
+        batch_format="pyarrow",
+        batch_size=batch_size,
+        fn_constructor_kwargs={
+            "model": model,
+            "pooling": pooling,
+            "buckets": portable_buckets(buckets),
+            "dtype": dtype,
+            "attention": attention,
+            "preprocess_config": pp,
+        },
+        compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=2),
+        num_gpus=1 if gpus > 0 else 0,
+        num_cpus=actor_cpus,
+        udf_modifying_row_count=False,
+    )

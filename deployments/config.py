@@ -1,0 +1,186 @@
+"""`AppArgs`: the validated arguments of `build_app`, and the decisions derived from them.
+
+Everything here is cheap to import (no torch, no Ray Serve): the Serve CLI imports it to build the
+application on the driver, and the replicas re-validate the same dict in their constructors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from workspace.buckets import BucketError, BucketTable
+
+INGRESS_NAME = "VisionIngress"
+ENCODER_NAME = "VisionEncoder"
+DEFAULT_APP_NAME = "vision"
+# On a CPU replica every bucket runs eagerly with its static (padded) attention bounds, so small buckets
+# holding one image each are far cheaper there than the GPU's multi-image graphs.
+CPU_BUCKETS = "256,1024"
+CPU_BUCKET_MAX_IMAGES = 1
+# ... and batches of a few small images (the engine still replays one bucket per image).
+CPU_MAX_BATCH_PATCHES = 8192
+CPU_MAX_BATCH_SIZE = 32
+
+
+class AppArgs(BaseModel):
+    """Arguments of `deployments:build_app` (also the `args:` of a Serve config YAML).
+
+    Strings from `serve run deployments:build_app key=value ...` are coerced (`num_replicas=2`,
+    `num_gpus=0.5`, `ingress_batch_size=0`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # -- the model ------------------------------------------------------------------------------------
+    model: str = Field("tiny", description="Preset name (random weights) or a local Hugging Face checkpoint dir.")
+    served_model_name: str | None = Field(
+        None, description="Name in /v1/models and the accepted `model` of requests; default: `model`."
+    )
+    dtype: str | None = Field(None, description="float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU.")
+    attention: str | None = Field(None, description="Varlen attention backend (encoder.load); default sdpa.")
+    seed: int = Field(0, description="Seed of the random weights of a preset (same seed, same model everywhere).")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Replica device; auto = cuda when the replica has a GPU share, else cpu."
+    )
+
+    # -- buckets and batching on the encoder replicas ------------------------------------------------------
+    buckets: str | None = Field(
+        None,
+        description="Bucket budgets, '256,1024,4096' or 'pow2:256-32768'. Default: pow2:256-32768 on CUDA "
+        f"(workspace.GraphEncoder's table), {CPU_BUCKETS!r} on CPU.",
+    )
+    bucket_max_images: int | None = Field(
+        None, gt=0, description="Images per bucket (all buckets); default: the table's rule (1 on CPU)."
+    )
+    max_batch_patches: int | None = Field(
+        None,
+        gt=0,
+        description="Patches per replica batch (and per request the ingress sends); default: the largest "
+        f"bucket's budget ({CPU_MAX_BATCH_PATCHES} with the CPU buckets).",
+    )
+    max_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Images per replica batch; default: the largest bucket's max_images "
+        f"({CPU_MAX_BATCH_SIZE} with the CPU buckets).",
+    )
+    batch_wait_timeout_s: float = Field(
+        0.002, ge=0, description="How long @serve.batch waits for more requests after the first one."
+    )
+    batcher: Literal["serve", "continuous"] = Field(
+        "serve",
+        description="'serve': @serve.batch with a patch-counting batch_size_fn. 'continuous': a batch is "
+        "whatever waits when the device becomes free (no timer, no idle wait).",
+    )
+
+    # -- encoder replicas ---------------------------------------------------------------------------------
+    num_replicas: int = Field(1, ge=1, description="Encoder replicas.")
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs per encoder replica (0.5 = two replicas per GPU). Default: see resolve_num_gpus."
+    )
+    num_cpus: float = Field(0.5, ge=0, description="Logical CPUs per encoder replica (fractions are fine).")
+    max_ongoing_requests: int = Field(512, gt=0, description="Requests one encoder replica accepts at once.")
+    request_router_class: str | None = Field(
+        None,
+        description="Import path of a ray.serve RequestRouter for the encoder deployment, e.g. "
+        "'deployments.router:BucketRouter'; None = Ray's default (power of two choices).",
+    )
+    request_router_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the router.")
+    routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas publish routing stats.")
+
+    # -- ingress -----------------------------------------------------------------------------------------------
+    ingress_replicas: int = Field(1, ge=1, description="HTTP/handle ingress replicas (CPU).")
+    ingress_num_cpus: float = Field(0.25, ge=0, description="Logical CPUs per ingress replica.")
+    ingress_max_ongoing_requests: int = Field(512, gt=0, description="Requests one ingress replica accepts.")
+    ingress_batch_size: int = Field(
+        32, ge=0, description="Images the ingress merges into one encoder request (0 or 1: no ingress batching)."
+    )
+    ingress_batch_wait_timeout_s: float = Field(0.002, ge=0, description="Ingress batching window.")
+    ingress_max_concurrent_batches: int = Field(16, gt=0, description="Merged requests in flight per ingress.")
+    decode_threads: int = Field(4, gt=0, description="Threads per ingress decoding and resizing images.")
+    max_request_images: int = Field(256, gt=0, description="Images one HTTP request may carry (else 413).")
+
+    @field_validator("buckets")
+    @classmethod
+    def _parse_buckets(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                BucketTable.parse(v)
+            except BucketError as e:
+                raise ValueError(str(e)) from e
+        return v
+
+    @model_validator(mode="after")
+    def _check_router(self) -> AppArgs:
+        if self.request_router_kwargs and not self.request_router_class:
+            raise ValueError("request_router_kwargs given without request_router_class")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The name clients see (`/v1/models`, `model` of responses)."""
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.model)) if os.path.isdir(self.model) else self.model
+
+
+def resolve_num_gpus(args: AppArgs) -> float:
+    """GPUs per encoder replica: the explicit value, else 1 when the cluster (or this machine) has GPUs.
+
+    `build_app` runs on the driver for `serve run` (before Ray is connected) and inside the controller's
+    build task for `serve deploy`, which is often a head node without GPUs. So when Ray is connected its
+    *cluster* resources decide (GPU worker nodes count); otherwise whether CUDA is visible here.
+    An autoscaling cluster whose GPU nodes are not up yet has no GPU resources: set `num_gpus` there.
+    `device="cpu"` forces 0.
+    """
+    if args.num_gpus is not None:
+        return args.num_gpus
+    if args.device == "cpu":
+        return 0.0
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    except Exception:  # noqa: BLE001 - no cluster info: fall back to the local check
+        pass
+    try:
+        import torch
+
+        return 1.0 if torch.cuda.is_available() else 0.0
+    except Exception:  # noqa: BLE001
+        return 0.0
+
+
+def resolve_device(args: AppArgs, num_gpus: float) -> str:
+    """The encoder replica's torch device: a GPU share means cuda (unless forced)."""
+    if args.device != "auto":
+        return args.device
+    return "cuda" if num_gpus > 0 else "cpu"
+
+
+def bucket_table(args: AppArgs, device: str, merge_unit: int, max_budget: int = 32768) -> BucketTable | None:
+    """The replica's bucket table; None lets `GraphEncoder` use its default (the GPU table).
+
+    `max_budget` caps the default budgets when only `bucket_max_images` is given (the attention
+    backend's `max_graph_tokens`)."""
+    spec = args.buckets if args.buckets is not None else (CPU_BUCKETS if device == "cpu" else None)
+    max_images = args.bucket_max_images
+    if max_images is None and device == "cpu" and args.buckets is None:
+        max_images = CPU_BUCKET_MAX_IMAGES
+    if spec is None and max_images is None:
+        return None
+    if spec is None:  # the GPU default budgets with a fixed image count
+        spec = f"pow2:256-{1 << (max(256, max_budget).bit_length() - 1)}"
+    return BucketTable.parse(spec, granule=merge_unit, max_images=max_images)
+
+
+def batch_limits(args: AppArgs, table: BucketTable, device: str) -> tuple[int, int]:
+    """(max patches, max images) of one replica batch."""
+    cpu_default = device == "cpu" and args.buckets is None and args.bucket_max_images is None
+    patches = args.max_batch_patches or (CPU_MAX_BATCH_PATCHES if cpu_default else table.largest.budget)
+    images = args.max_batch_size or (CPU_MAX_BATCH_SIZE if cpu_default else table.largest.max_images)
+    return patches, images

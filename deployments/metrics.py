@@ -1,0 +1,103 @@
+"""Service metrics through `ray.serve.metrics` (exported with Ray's Prometheus metrics, prefixed `ray_`).
+
+Ray Serve adds the deployment, replica and application tags itself. One instance per replica process;
+every method is cheap enough for the per-request path (a few dict operations).
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+_LATENCY_MS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+_PATCHES = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+
+
+class IngressMetrics:
+    """Requests, images and latency as the clients see them."""
+
+    def __init__(self) -> None:
+        self.requests = Counter(
+            "vision_requests",
+            description="Requests to the ingress, by route (http|handle) and outcome (ok|client_error|server_error).",
+            tag_keys=("route", "outcome"),
+        )
+        self.images = Counter("vision_request_images", description="Images received.", tag_keys=("route",))
+        self.patches = Counter("vision_request_patches", description="Patches of the images received.")
+        self.latency = Histogram(
+            "vision_request_latency_ms",
+            description="Ingress request latency, decode to response.",
+            boundaries=_LATENCY_MS,
+            tag_keys=("route",),
+        )
+        self.merged = Histogram(
+            "vision_ingress_batch_images",
+            description="Images per merged encoder request formed by ingress batching.",
+            boundaries=_SIZES,
+        )
+
+    def request(self, route: str, outcome: str, images: int, patches: int, seconds: float) -> None:
+        self.requests.inc(tags={"route": route, "outcome": outcome})
+        if images:
+            self.images.inc(images, tags={"route": route})
+        if patches:
+            self.patches.inc(patches)
+        self.latency.observe(seconds * 1000.0, tags={"route": route})
+
+
+class ReplicaMetrics:
+    """What the encoder replica does with its batches (deltas of `GraphEncoder.stats()`)."""
+
+    def __init__(self) -> None:
+        self.requests = Counter("vision_encoder_requests", description="Requests the encoder replica ran.")
+        self.images = Counter("vision_encoder_images", description="Images encoded.")
+        self.patches = Counter("vision_encoder_patches", description="Real patches encoded.")
+        self.padded = Counter("vision_encoder_padded_patches", description="Padding patches run by bucket graphs.")
+        self.replays = Counter(
+            "vision_encoder_bucket_replays", description="Graph replays by bucket budget.", tag_keys=("bucket",)
+        )
+        self.eager = Counter("vision_encoder_eager_runs", description="Packs no bucket fits, run eagerly.")
+        self.batch_requests = Histogram(
+            "vision_encoder_batch_requests", description="Requests per replica batch.", boundaries=_SIZES
+        )
+        self.batch_images = Histogram(
+            "vision_encoder_batch_images", description="Images per replica batch.", boundaries=_SIZES
+        )
+        self.batch_patches = Histogram(
+            "vision_encoder_batch_patches", description="Real patches per replica batch.", boundaries=_PATCHES
+        )
+        self.queue_wait = Histogram(
+            "vision_encoder_queue_wait_ms",
+            description="Time a request waited in the replica before its batch started.",
+            boundaries=_LATENCY_MS,
+        )
+        self.run_latency = Histogram(
+            "vision_encoder_batch_latency_ms",
+            description="Device time of one batch: upload, patchify, bucket replays, download.",
+            boundaries=_LATENCY_MS,
+        )
+        self.queue_depth = Gauge("vision_encoder_queue_depth", description="Requests inside the replica.")
+        self.captured = Gauge("vision_encoder_graphs_captured", description="Bucket graphs captured (0 on CPU).")
+        self._last: dict = {}
+
+    def batch(self, requests: int, images: int, patches: int, waits_s: list[float], run_s: float, stats: dict) -> None:
+        self.requests.inc(requests)
+        self.images.inc(images)
+        self.patches.inc(patches)
+        self.batch_requests.observe(requests)
+        self.batch_images.observe(images)
+        self.batch_patches.observe(patches)
+        for w in waits_s:
+            self.queue_wait.observe(w * 1000.0)
+        self.run_latency.observe(run_s * 1000.0)
+        last, self._last = self._last, stats
+        padded = stats["padded_patches"] - last.get("padded_patches", 0)
+        if padded:
+            self.padded.inc(padded)
+        eager = stats["eager_runs"] - last.get("eager_runs", 0)
+        if eager:
+            self.eager.inc(eager)
+        before = last.get("replays", {})
+        for budget, n in stats["replays"].items():
+            if n != before.get(budget, 0):
+                self.replays.inc(n - before.get(budget, 0), tags={"bucket": str(budget)})

@@ -1,0 +1,322 @@
+"""The encoder replica: builds the model and captures every bucket graph in its constructor, then
+encodes batches of resized uint8 images.
+
+Request path inside a replica (DESIGN.md, "The request path"):
+  `encode_pixels(pixels, pooling=..., num_patches=n)` validates shapes on the event loop, queues the
+  request, and a batcher merges queued requests (from any number of callers) into one batch of at
+  most `max_batch_patches` patches / `max_batch_size` images. The batch runs in ONE worker thread:
+  upload the uint8 pixels, normalise and patchify on the device, one `GraphEncoder.encode` (which packs
+  the batch into bucket replays), download, split per request. The event loop never runs device work,
+  so it keeps answering the router's queue-length probes and `record_routing_stats`.
+
+`num_patches` is a keyword argument on purpose: request routers read it from
+`pending_request.kwargs["num_patches"]` without deserialising the pixels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from ray import serve
+
+import encoder
+from encoder.api import check_pooling
+from encoder.errors import EncoderError, InvalidArgumentError, InvalidImageError
+from encoder.patch_batch import PatchBatch
+from encoder.preprocess import PreprocessConfig, patchify
+from workspace import GraphEncoder
+
+from .config import AppArgs, batch_limits, bucket_table, resolve_device, resolve_num_gpus
+from .metrics import ReplicaMetrics
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Work:
+    """One request inside the replica."""
+
+    arrays: list[np.ndarray]  # uint8 [H, W, 3], sides multiples of patch_size * merge_size
+    counts: list[int]  # patches per image
+    pooling: str
+    queued_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def patches(self) -> int:
+        return sum(self.counts)
+
+
+def check_pixels(pixels, pp: PreprocessConfig) -> tuple[list[np.ndarray], list[int]]:
+    """Validate resized uint8 images and count their patches (cheap: shapes only)."""
+    if isinstance(pixels, np.ndarray | torch.Tensor):
+        raise InvalidArgumentError("pixels must be a list of uint8 [H, W, 3] arrays, not one array")
+    arrays, counts = [], []
+    for i, x in enumerate(pixels):
+        if isinstance(x, torch.Tensor):
+            x = x.cpu().numpy()
+        if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 3 or x.shape[2] != 3:
+            what = f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}".strip()
+            raise InvalidImageError(f"pixels[{i}]: expected a uint8 [H, W, 3] array, got {what}")
+        h, w, _ = x.shape
+        if h == 0 or w == 0 or h % pp.factor or w % pp.factor:
+            raise InvalidImageError(
+                f"pixels[{i}]: sides must be non-zero multiples of {pp.factor} (resize_image output); got {h}x{w}"
+            )
+        arrays.append(x)
+        counts.append((h // pp.patch_size) * (w // pp.patch_size))
+    return arrays, counts
+
+
+def stack_patchify(arrays: list[np.ndarray], pp: PreprocessConfig, device: torch.device) -> PatchBatch:
+    """Upload and patchify on `device`; consecutive images of equal width go through one `patchify`.
+
+    Stacking images vertically keeps each image's merge blocks contiguous and in order (its block rows
+    come before the next image's), so one call equals the concatenation of per-image calls.
+    """
+    parts, start = [], 0
+    while start < len(arrays):
+        end = start + 1
+        while end < len(arrays) and arrays[end].shape[1] == arrays[start].shape[1]:
+            end += 1
+        host = torch.from_numpy(np.concatenate(arrays[start:end], axis=0))  # a writable copy, one upload
+        parts.append(patchify(host.to(device, non_blocking=False), pp))
+        start = end
+    grid = torch.tensor([[1, a.shape[0] // pp.patch_size, a.shape[1] // pp.patch_size] for a in arrays])
+    return PatchBatch(parts[0] if len(parts) == 1 else torch.cat(parts), grid)
+
+
+class ContinuousBatcher:
+    """A batch is whatever waits when the previous batch finishes: no timer, no idle wait.
+
+    `run(works) -> results` runs one batch; `limit_of(patches, images)` says whether a batch fits.
+    """
+
+    def __init__(self, run: Callable[[list[Work]], Awaitable[list]], fits: Callable[[int, int], bool]):
+        self._run, self._fits = run, fits
+        self._queue: deque[tuple[Work, asyncio.Future]] = deque()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    async def __call__(self, work: Work):
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._loop())
+        future = loop.create_future()
+        self._queue.append((work, future))
+        self._wake.set()
+        return await future
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            batch, futures, patches, images = [], [], 0, 0
+            while self._queue:
+                work, future = self._queue[0]
+                if future.cancelled():
+                    self._queue.popleft()
+                    continue
+                if batch and not self._fits(patches + work.patches, images + len(work.counts)):
+                    break
+                self._queue.popleft()
+                batch.append(work)
+                futures.append(future)
+                patches, images = patches + work.patches, images + len(work.counts)
+            if not self._queue:
+                self._wake.clear()
+            if not batch:
+                continue
+            try:
+                results = await self._run(batch)
+            except Exception as e:  # noqa: BLE001 - every caller of the batch gets the error
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(e)
+            else:
+                for f, r in zip(futures, results, strict=True):
+                    if not f.done():
+                        f.set_result(r)
+
+
+@serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.5}, health_check_period_s=10)
+class EncoderReplica:
+    """Serve deployment of one encoder: `encode_pixels` for the ingress, stats for routers and tests."""
+
+    def __init__(self, args: dict):
+        self.args = a = AppArgs.model_validate(args)
+        self.device_name = resolve_device(a, resolve_num_gpus(a))
+        start = time.perf_counter()
+        vision = encoder.load(a.model, device=self.device_name, dtype=a.dtype, attention=a.attention, seed=a.seed)
+        self.pp = vision.preprocess_config
+        cap = getattr(vision.model.backend, "max_graph_tokens", None) or 32768
+        self.engine = GraphEncoder(vision, bucket_table(a, self.device_name, vision.config.merge_unit, cap))
+        self.device = vision.device
+        table = self.engine.table
+        self.max_batch_patches, self.max_batch_images = batch_limits(a, table, self.device_name)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="encoder-device")
+        self._fatal: BaseException | None = None
+        self._queued: Counter[str] = Counter()
+        self._queued_patches = 0
+        self.metrics = ReplicaMetrics()
+        if a.batcher == "continuous":
+            self._submit = ContinuousBatcher(self._run_batch, self._fits)
+        else:
+            # Batch "size" in image slots: max(patches scaled so the patch limit equals the image limit,
+            # images). One number enforces both limits and stays <= max_ongoing_requests.
+            self._submit = serve.batch(
+                max_batch_size=self.max_batch_images,
+                batch_wait_timeout_s=a.batch_wait_timeout_s,
+                max_concurrent_batches=1,
+                batch_size_fn=self._batch_units,
+            )(self._run_batch)
+        stats = self.engine.stats()
+        self.metrics.captured.set(stats["captures"])
+        self.ready = True
+        logger.info(
+            "encoder %s on %s (%s): %d buckets, %d graphs captured in %.1fs (%.0f MiB pool), ready after %.1fs; "
+            "batches up to %d patches / %d images (%s)",
+            vision.name, self.device, vision.dtype, len(table), stats["captures"], stats["capture_seconds"],
+            stats["capture_bytes"] / 2**20, time.perf_counter() - start, self.max_batch_patches,
+            self.max_batch_images, a.batcher,
+        )  # fmt: skip
+
+    # -- batching limits ----------------------------------------------------------------------------------
+    def _units(self, patches: int, images: int) -> int:
+        return max(-(-patches * self.max_batch_images // self.max_batch_patches), images)
+
+    def _batch_units(self, works: list[Work]) -> int:
+        return self._units(sum(w.patches for w in works), sum(len(w.counts) for w in works))
+
+    def _fits(self, patches: int, images: int) -> bool:
+        return patches <= self.max_batch_patches and images <= self.max_batch_images
+
+    def _bucket_label(self, patches: int, images: int) -> str:
+        key = self.engine.table.bucket_for(patches, images)
+        return str(key.budget) if key is not None else "over"
+
+    # -- the request method ------------------------------------------------------------------------------
+    async def encode_pixels(self, pixels, *, pooling: str = "mean", num_patches: int | None = None) -> list[np.ndarray]:
+        """Encode resized uint8 images ([H, W, 3], sides multiples of patch*merge: `resize_image` output).
+
+        Returns one float32 array per image: [out_dim] for `pooling="mean"`, [tokens, out_dim] for
+        `"none"`. `num_patches` (total patches of the request) is what routers read; when given it must
+        match the pixels.
+        """
+        check_pooling(pooling)
+        arrays, counts = check_pixels(pixels, self.pp)
+        work = Work(arrays, counts, pooling)
+        total = work.patches
+        if num_patches is not None and int(num_patches) != total:
+            raise InvalidArgumentError(f"num_patches={num_patches} but the pixels have {total} patches")
+        if not arrays:
+            return []
+        label = self._bucket_label(total, len(counts))
+        self._queued[label] += 1
+        self._queued_patches += total
+        self.metrics.queue_depth.set(sum(self._queued.values()))
+        try:
+            if not self._fits(total, len(counts)):  # bigger than one batch: alone (the engine splits it)
+                return (await self._run_batch([work]))[0]
+            return await self._submit(work)
+        finally:
+            self._queued[label] -= 1
+            if not self._queued[label]:
+                del self._queued[label]
+            self._queued_patches -= total
+
+    async def _run_batch(self, works: list[Work]) -> list[list[np.ndarray]]:
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self._executor, self._compute, works)
+        except EncoderError:
+            raise
+        except Exception as e:
+            if "CUDA error" in str(e) or "CUBLAS" in str(e):
+                self._fatal = e  # a sticky device error: fail health checks so Serve replaces this replica
+            raise
+        self.metrics.batch(
+            requests=len(works),
+            images=sum(len(w.counts) for w in works),
+            patches=sum(w.patches for w in works),
+            waits_s=[started - w.queued_at for w in works],
+            run_s=time.perf_counter() - started,
+            stats=self.engine.stats(),
+        )
+        return results
+
+    @torch.inference_mode()
+    def _compute(self, works: list[Work]) -> list[list[np.ndarray]]:
+        """Worker thread: one engine call per pooling mode present in the batch (usually one)."""
+        out: list[list[np.ndarray] | None] = [None] * len(works)
+        by_pooling: dict[str, list[int]] = {}
+        for i, w in enumerate(works):
+            by_pooling.setdefault(w.pooling, []).append(i)
+        for pooling, members in by_pooling.items():
+            arrays = [a for i in members for a in works[i].arrays]
+            vectors = self.engine.encode(stack_patchify(arrays, self.pp, self.device), pooling=pooling)
+            pos = 0
+            for i in members:
+                n = len(works[i].arrays)
+                out[i] = [v.numpy() for v in vectors[pos : pos + n]]
+                pos += n
+        return out
+
+    # -- control plane ---------------------------------------------------------------------------------------
+    def record_routing_stats(self) -> dict:
+        """Published to request routers (`RunningReplica.routing_stats`) every `routing_stats_period_s`.
+
+        The keys `deployments.router.BucketRoutingStats` parses:
+          buckets: this replica's bucket table, [[budget, max_images], ...] ascending.
+          ready: the constructor finished, so every bucket graph is captured (always True once running).
+          queued_by_bucket: {budget: requests inside this replica (queued or running) that map to that
+            bucket alone}; requests above the largest bucket count under the largest budget.
+        plus queued_requests / queued_patches (totals) for dashboards and tests.
+        """
+        largest = self.engine.table.largest.budget
+        by_bucket: Counter[int] = Counter()
+        for label, n in self._queued.items():
+            by_bucket[largest if label == "over" else int(label)] += n
+        return {
+            "buckets": [[k.budget, k.max_images] for k in self.engine.table.keys],
+            "ready": self.ready,
+            "queued_by_bucket": dict(by_bucket),
+            "queued_requests": sum(self._queued.values()),
+            "queued_patches": self._queued_patches,
+        }
+
+    def record_replica_metadata(self) -> dict:
+        """Published once when the replica starts, so routers know its table before the first stats poll."""
+        return self.record_routing_stats()
+
+    def check_health(self) -> None:
+        if self._fatal is not None:
+            raise RuntimeError(f"encoder replica hit a device error and must be replaced: {self._fatal}")
+
+    def describe(self) -> dict:
+        """Model and batching facts the ingress needs (preprocessing, limits) and tests inspect."""
+        vision = self.engine.encoder
+        return {
+            "model": vision.name,
+            "out_dim": vision.out_dim,
+            "device": str(self.device),
+            "dtype": str(vision.dtype).removeprefix("torch."),
+            "preprocess": self.pp.model_dump(mode="json"),
+            "buckets": [[k.budget, k.max_images] for k in self.engine.table.keys],
+            "max_batch_patches": self.max_batch_patches,
+            "max_batch_images": self.max_batch_images,
+            "graphs_captured": self.ready,
+            "replica_id": serve.get_replica_context().replica_id.unique_id,
+        }
+
+    def stats(self) -> dict:
+        """The engine's counters (captures, replays per budget, eager runs, patches) plus queue state."""
+        return self.engine.stats() | self.record_routing_stats()

@@ -1,0 +1,559 @@
+"""`BucketRouter`: a Ray Serve request router that sends each request to the replicas owning its bucket.
+
+Why: every encoder replica captured a CUDA graph per bucket (token budget), and its `@serve.batch`
+packs whatever is queued into the smallest bucket that fits. If small and large images share a
+replica, a 256-patch request waits behind a 16k-patch replay; if same-size requests scatter over
+all replicas, fewer of them meet in one batch. So the router keeps each request *size class* (the
+bucket its own patch count maps to) on a stable set of owner replicas, balances by queue length
+inside that set, and spills to the other replicas only when the owners are saturated.
+
+Plugging it in (the encoder deployment, called as
+`handle.encode_pixels.remote(pixels, pooling=..., num_patches=n)`)::
+
+    from ray.serve.config import RequestRouterConfig
+
+    @serve.deployment(
+        request_router_config=RequestRouterConfig(
+            request_router_class="deployments.router.BucketRouter",  # or the class itself
+            request_router_kwargs={"spill_fraction": 0.5},  # BucketRouterConfig fields, all optional
+            request_routing_stats_period_s=2,  # how often Serve polls record_routing_stats
+        ),
+        max_ongoing_requests=512,
+    )
+    class Encoder:
+        def record_routing_stats(self) -> dict:
+            return BucketRoutingStats.from_table(self.table, queued_by_bucket=..., ready=True).to_dict()
+
+The request: the router reads `pending_request.kwargs["num_patches"]` (an int: the request's total
+patches, or a list of per-image patch counts) and optionally `kwargs["num_images"]` (default 1, or
+the list's length). A request without a usable `num_patches` (another method, a handle call without
+the kwarg) gets Ray's default behaviour: power of two random choices, same-node replicas first.
+
+What a replica publishes (`record_routing_stats()`; see `BucketRoutingStats` and the `STATS_*` keys):
+
+- `"buckets"`: the replica's bucket table as `[[budget, max_images], ...]` ascending (bare budgets are
+  accepted too). The router uses the table most replicas report; with none it uses
+  `BucketRouterConfig.buckets`, else `default_bucket_table()` (the engine's default table).
+- `"ready"`: False while the replica cannot serve (graphs not captured); such replicas rank last.
+- `"queued_by_bucket"`: `{budget: queued requests}`, for dashboards and future policies. Not used to
+  route: Serve polls these stats every `request_routing_stats_period_s` (10 s by default) and relays
+  them through the controller, far too stale for load balancing. Load comes from Ray's own per-replica
+  queue-length cache instead, refreshed by every send and by probes.
+
+The same keys are also read from `record_replica_metadata()` (published once when a replica becomes
+ready, so the table is known before the first stats poll); routing stats win when both are present.
+
+Assignment of buckets to replicas (`assign_buckets`), a pure function of the table and the set of
+replica ids, so every router process (proxy, driver, each ingress replica) computes the same map:
+
+- `"ranges"` (default): replicas sorted by id split the budget-sorted buckets into contiguous ranges
+  (counts differ by at most one; lower ids own the smaller buckets, the earlier ranges are the
+  longer ones); with more replicas than buckets each bucket gets a contiguous block of replicas
+  (blocks differ by at most one, the larger blocks go to the largest buckets). Contiguous ranges
+  keep small and large images on different replicas, which is what the latency goal needs: with
+  the default table (256..32768) and two replicas, 224x224 (256 patches) and 1344x1344 (9216 -> 16384)
+  always land on different replicas. `BucketTable.assign`'s interleaving puts those two on the same
+  replica, and rendezvous hashing does so for about one replica-id pair in three.
+- `"rendezvous"`: highest-random-weight hashing of (bucket, replica id) with bounded loads (largest
+  bucket first; owned counts differ by at most one, as with ranges): a replica set change moves
+  fewer buckets (default table, 2-6 random replicas: a join moves 2.5 of 8 buckets against 3.2 for
+  ranges; a leave moves 0.45 buckets beyond the leaver's own against 0.86), at the price of random
+  size mixing.
+
+Ownership moving is cheap here: every replica captured every bucket, so an owner is only a routing
+preference; no state moves. Hence the default favours size separation and exact balance over
+minimal movement. Both schemes are deterministic for a given replica set.
+
+Spill rule: an owner is saturated when Ray's cached queue length for it is >= `spill_queue_len`
+(default: `spill_fraction` x its `max_ongoing_requests`, rounded up, at least 1) or when the patches
+this router has in flight on it reach `spill_patches` (default 2 x the largest budget; 0 disables;
+counts only this router's requests). `choose_replicas` returns ranked groups and Ray picks the
+replica with the lowest queue length inside the first group that has one with room
+(queue < max_ongoing_requests):
+
+    [owners not saturated], [others not saturated], [owners saturated], [others saturated], [not ready]
+
+preceded by `owner_only_rounds` (default 1) rounds of `[owners not saturated]` alone, so that an
+owner whose queue length is unknown and whose probe misses Ray's 0.1 s deadline once gets a second
+probe (0.2 s) before its requests spill. A selection is counted in Ray's queue-length cache at once
+(not when the request is sent), so a burst routed in one go sees its own earlier picks.
+
+Ray mixins: `LocalityMixin` is used for the fallback path only. `FIFOMixin` is deliberately not used:
+it hands a replica found for one request to the oldest pending request, whatever its bucket, which
+would undo the affinity. Without it Ray assigns each routing result to the request it was chosen for,
+and starts routing requests in arrival order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import operator
+import random
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray.serve.request_router import (
+    LocalityMixin,
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from workspace.buckets import BucketError, BucketKey, BucketTable, default_table
+
+__all__ = [
+    "STATS_BUCKETS",
+    "STATS_QUEUED_BY_BUCKET",
+    "STATS_READY",
+    "ASSIGNMENT_STRATEGIES",
+    "BucketRouter",
+    "BucketRouterConfig",
+    "BucketRoutingStats",
+    "assign_buckets",
+    "default_bucket_table",
+    "request_size",
+]
+
+logger = logging.getLogger("ray.serve")
+
+# -- what a replica publishes ---------------------------------------------------------------------------
+
+STATS_BUCKETS = "buckets"
+"""The replica's bucket table: `[[budget, max_images], ...]` ascending (or bare budgets)."""
+STATS_QUEUED_BY_BUCKET = "queued_by_bucket"
+"""`{budget: requests queued or running}` on the replica (informational)."""
+STATS_READY = "ready"
+"""False while the replica cannot serve; the router ranks it last."""
+
+ASSIGNMENT_STRATEGIES = ("ranges", "rendezvous")
+
+
+def default_bucket_table() -> BucketTable:
+    """The engine's default table (`workspace.buckets.default_table`)."""
+    return default_table()
+
+
+class BucketRoutingStats(BaseModel):
+    """The dict a replica returns from `record_routing_stats()` (build it with `from_table(...).to_dict()`)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    buckets: tuple[tuple[int, int] | int, ...] = Field(min_length=1)
+    queued_by_bucket: dict[int, int] = Field(default_factory=dict)
+    ready: bool = True
+
+    @field_validator("buckets", mode="before")
+    @classmethod
+    def _lists_to_tuples(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        return value
+
+    @classmethod
+    def from_table(
+        cls, table: BucketTable, queued_by_bucket: Mapping[int, int] | None = None, ready: bool = True
+    ) -> BucketRoutingStats:
+        return cls(
+            buckets=tuple((k.budget, k.max_images) for k in table.keys),
+            queued_by_bucket=dict(queued_by_bucket or {}),
+            ready=ready,
+        )
+
+    def table(self) -> BucketTable:
+        """The published table; BucketError if it is not a valid one."""
+        pairs = [b for b in self.buckets if isinstance(b, tuple)]
+        if not pairs:
+            return BucketTable.from_budgets(self.buckets)
+        if len(pairs) != len(self.buckets):
+            raise BucketError(f"mixed bare budgets and [budget, max_images] pairs: {self.buckets!r}")
+        return BucketTable(BucketKey(budget, max_images) for budget, max_images in pairs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists, ints and bools: the exact shape the router parses."""
+        return {
+            STATS_BUCKETS: [list(b) if isinstance(b, tuple) else b for b in self.buckets],
+            STATS_QUEUED_BY_BUCKET: dict(self.queued_by_bucket),
+            STATS_READY: self.ready,
+        }
+
+
+# -- router configuration (RequestRouterConfig.request_router_kwargs) -------------------------------------
+
+
+class BucketRouterConfig(BaseModel):
+    """`request_router_kwargs` of the `BucketRouter` (JSON-serialisable; every field optional)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    buckets: str | list[int] | None = None
+    """Table used while no replica publishes one: a `BucketTable.parse` spec; None: the engine default."""
+    assignment: Literal["ranges", "rendezvous"] = "ranges"
+    spill_fraction: float = Field(default=0.5, gt=0, le=1)
+    """Owner saturated at queue length >= ceil(spill_fraction * max_ongoing_requests)."""
+    spill_queue_len: int | None = Field(default=None, ge=1)
+    """Absolute queue-length threshold; overrides spill_fraction."""
+    spill_patches: int | None = Field(default=None, ge=0)
+    """Owner saturated when this router has >= this many patches in flight on it; None: 2 x the
+    largest budget, 0: off."""
+    owner_only_rounds: int = Field(default=1, ge=0)
+    """Routing rounds that offer only the unsaturated owners before the full ranking. An owner is
+    skipped in a round when it has no fresh queue length and its probe misses Ray's deadline (0.1 s,
+    doubled every failed round); 0: spill at the first missed probe."""
+    num_patches_kwarg: str = "num_patches"
+    num_images_kwarg: str = "num_images"
+
+    def default_table(self) -> BucketTable:
+        return default_bucket_table() if self.buckets is None else BucketTable.parse(self.buckets)
+
+
+# -- pure helpers -----------------------------------------------------------------------------------------
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number > 0 else None
+
+
+def request_size(
+    pending_request: PendingRequest | None, num_patches_kwarg: str = "num_patches", num_images_kwarg: str = "num_images"
+) -> tuple[int, int] | None:
+    """(total patches, images) of a request, or None when it carries no usable patch count."""
+    if pending_request is None or not isinstance(pending_request.kwargs, Mapping):
+        return None
+    raw = pending_request.kwargs.get(num_patches_kwarg)
+    if raw is None:
+        return None
+    total = _count(raw)
+    if total is not None:
+        images = _count(pending_request.kwargs.get(num_images_kwarg, 1))
+        return (total, images) if images is not None else None
+    if isinstance(raw, str | bytes) or not isinstance(raw, Iterable):
+        return None
+    counts = [_count(c) for c in raw]
+    if not counts or None in counts:
+        return None
+    return sum(counts), len(counts)
+
+
+def _owner_slots(num_buckets: int, num_replicas: int) -> list[int]:
+    """Owners per bucket (ascending budget): 1 each, or a share of the replicas when they outnumber buckets."""
+    if num_replicas <= num_buckets:
+        return [1] * num_buckets
+    base, extra = divmod(num_replicas, num_buckets)
+    return [base + (1 if i >= num_buckets - extra else 0) for i in range(num_buckets)]
+
+
+def _score(key: BucketKey, replica_id: str) -> int:
+    digest = hashlib.blake2b(f"{key.budget}/{key.max_images}/{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def assign_buckets(
+    table: BucketTable, replica_ids: Iterable[str], strategy: str = "ranges"
+) -> dict[BucketKey, tuple[str, ...]]:
+    """Owner replica ids (sorted) of every bucket; a pure function of the table and the set of ids.
+
+    With no replicas every bucket has no owner. See the module docstring for the two strategies.
+    """
+    if strategy not in ASSIGNMENT_STRATEGIES:
+        raise ValueError(f"unknown assignment strategy {strategy!r}; expected one of {ASSIGNMENT_STRATEGIES}")
+    ids = sorted(set(replica_ids))
+    keys = table.keys
+    if not ids:
+        return {key: () for key in keys}
+    slots = _owner_slots(len(keys), len(ids))
+    owners: dict[BucketKey, tuple[str, ...]] = {}
+    if strategy == "ranges":
+        if len(ids) <= len(keys):
+            base, extra = divmod(len(keys), len(ids))
+            start = 0
+            for rank, rid in enumerate(ids):
+                stop = start + base + (1 if rank < extra else 0)
+                for key in keys[start:stop]:
+                    owners[key] = (rid,)
+                start = stop
+        else:
+            start = 0
+            for key, count in zip(keys, slots, strict=True):
+                owners[key] = tuple(ids[start : start + count])
+                start += count
+        return owners
+    # Rendezvous with bounded loads: largest bucket first, each takes its highest-scoring replicas
+    # that still have room. Loads end at floor or ceil of slots / replicas: every replica may hold
+    # `floor`, and only `extra` of them one more. The room left always equals the slots left, and
+    # when replicas outnumber buckets (floor 1, extra 0) every replica not yet chosen is free.
+    floor, extra = divmod(sum(slots), len(ids))
+    load = dict.fromkeys(ids, 0)
+    above_floor = 0
+    for key, count in zip(reversed(keys), reversed(slots), strict=True):
+        ranked = sorted(ids, key=lambda rid, key=key: (_score(key, rid), rid), reverse=True)
+        chosen: list[str] = []
+        for rid in ranked:
+            if len(chosen) == count:
+                break
+            if load[rid] < floor or (load[rid] == floor and above_floor < extra):
+                above_floor += load[rid] == floor
+                load[rid] += 1
+                chosen.append(rid)
+        owners[key] = tuple(sorted(chosen))
+    return {key: owners[key] for key in keys}
+
+
+def _published(replica: RunningReplica) -> Mapping[str, Any]:
+    """The replica's routing stats if they carry a table, else its replica metadata, else {}."""
+    stats = getattr(replica, "routing_stats", None)
+    if isinstance(stats, Mapping) and STATS_BUCKETS in stats:
+        return stats
+    try:
+        metadata = getattr(replica, "replica_metadata", None)
+    except Exception:  # a replica wrapper without metadata support
+        metadata = None
+    if isinstance(metadata, Mapping) and STATS_BUCKETS in metadata:
+        merged = dict(metadata)
+        if isinstance(stats, Mapping):
+            merged.update(stats)
+        return merged
+    return stats if isinstance(stats, Mapping) else {}
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Everything `choose_replicas` needs for one replica set; rebuilt when the replicas change."""
+
+    replica_ids: tuple[ReplicaID, ...]  # in candidate order: the cache key
+    table: BucketTable
+    table_source: Literal["replicas", "config", "default"]
+    owners: dict[BucketKey, frozenset[ReplicaID]]
+    not_ready: frozenset[ReplicaID]
+
+
+# -- the router -------------------------------------------------------------------------------------------
+
+
+class BucketRouter(LocalityMixin, RequestRouter):
+    """Bucket-affinity routing with queue-length balancing and spill; see the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._config = BucketRouterConfig()
+        self._fallback_table = self._config.default_table()
+        self._plan: RoutingPlan | None = None
+        self._warned: set[str] = set()
+        # Patches this router has in flight, per replica and per (replica, request); released by a
+        # done-callback on the request's result, registered after the increment so it cannot run first.
+        self._inflight_patches: defaultdict[ReplicaID, int] = defaultdict(int)
+        self._inflight: dict[tuple[ReplicaID, str], int] = {}
+        # Selections already counted in Ray's queue-length cache but not yet sent (see _select_...).
+        self._booked: defaultdict[ReplicaID, int] = defaultdict(int)
+
+    # -- lifecycle hooks Ray calls ------------------------------------------------------------------
+
+    def initialize_state(self, **kwargs) -> None:
+        """Called by Serve with `RequestRouterConfig.request_router_kwargs`."""
+        self._config = BucketRouterConfig.model_validate(kwargs)
+        self._fallback_table = self._config.default_table()
+        self._plan = None
+
+    @property
+    def config(self) -> BucketRouterConfig:
+        return self._config
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        self._plan = None  # replica set or their published stats changed
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for rid in [rid for rid in self._inflight_patches if rid not in live]:
+            del self._inflight_patches[rid]
+        for key in [key for key in self._inflight if key[0] not in live]:
+            del self._inflight[key]
+        for rid in [rid for rid in self._booked if rid not in live]:
+            del self._booked[rid]
+
+    async def _select_from_candidate_replicas(
+        self, candidates: list[RunningReplica], backoff_index: int
+    ) -> RunningReplica | None:
+        """Ray's pick (lowest cached queue in the group), then count it in the cache at once.
+
+        Ray bumps its queue-length cache only when the request is sent, after the waiting caller
+        resumes; one routing task can route a whole burst of pending requests before that, all
+        against the same stale lengths, so the spill threshold would be overshot by the burst. The
+        selection is counted here instead, and the bump of the following `on_send_request` skipped.
+        (Overrides a private hook of Ray 2.60's RequestRouter; if Ray renames it, this is simply
+        not called and routing falls back to Ray's later bookkeeping.)
+        """
+        replica = await super()._select_from_candidate_replicas(candidates, backoff_index)
+        if replica is not None and self._use_replica_queue_len_cache:
+            queue_len = self._replica_queue_len_cache.get(replica.replica_id)
+            if queue_len is not None:
+                self._replica_queue_len_cache.update(replica.replica_id, queue_len + 1)
+                self._booked[replica.replica_id] += 1
+        return replica
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        booked = self._booked.get(replica_id, 0)
+        if booked:  # counted at selection; a booking whose send never came is absorbed here, and
+            # the replica's own count (on_new_queue_len_info) overwrites the cache soon after anyway
+            if booked == 1:
+                del self._booked[replica_id]
+            else:
+                self._booked[replica_id] = booked - 1
+            return
+        super().on_send_request(replica_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self._plan = None
+        super().on_replica_actor_died(replica_id)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        size = self._size(pending_request)
+        if size is None:
+            return
+        key = (replica_id, pending_request.metadata.internal_request_id)
+        self._inflight[key] = self._inflight.get(key, 0) + size[0]
+        self._inflight_patches[replica_id] += size[0]
+        loop = self._event_loop
+        # The result's callbacks fire on a Ray or gRPC thread; hop onto the router's loop.
+        result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, key))
+
+    def _release(self, key: tuple[ReplicaID, str]) -> None:
+        patches = self._inflight.pop(key, 0)
+        if not patches:
+            return
+        left = self._inflight_patches.get(key[0], 0) - patches
+        if left > 0:
+            self._inflight_patches[key[0]] = left
+        else:
+            self._inflight_patches.pop(key[0], None)
+
+    def inflight_patches(self, replica_id: ReplicaID) -> int:
+        """Patches this router sent to the replica that have not completed."""
+        return self._inflight_patches.get(replica_id, 0)
+
+    # -- routing --------------------------------------------------------------------------------------
+
+    def _size(self, pending_request: PendingRequest | None) -> tuple[int, int] | None:
+        return request_size(pending_request, self._config.num_patches_kwarg, self._config.num_images_kwarg)
+
+    def plan(self, candidate_replicas: Sequence[RunningReplica]) -> RoutingPlan:
+        """The (cached) table, owners and readiness for this replica set."""
+        key = tuple(r.replica_id for r in candidate_replicas)
+        if self._plan is None or self._plan.replica_ids != key:
+            self._plan = self._build_plan(candidate_replicas, key)
+        return self._plan
+
+    def _build_plan(self, replicas: Sequence[RunningReplica], key: tuple[ReplicaID, ...]) -> RoutingPlan:
+        tables: Counter[BucketTable] = Counter()
+        not_ready = set()
+        for replica in sorted(replicas, key=lambda r: r.replica_id.unique_id):
+            published = _published(replica)
+            if not published:
+                continue
+            try:
+                stats = BucketRoutingStats.model_validate(published)
+                tables[stats.table()] += 1
+            except (ValueError, BucketError) as error:  # pydantic's ValidationError is a ValueError
+                self._warn_once(
+                    f"stats:{replica.replica_id.unique_id}",
+                    f"BucketRouter: ignoring unreadable routing stats of {replica.replica_id}: {error}",
+                )
+                continue
+            if not stats.ready:
+                not_ready.add(replica.replica_id)
+        if tables:
+            # Most replicas agree (differences only during a rolling update); ties: lowest replica id.
+            table, source = tables.most_common(1)[0][0], "replicas"
+        else:
+            table, source = self._fallback_table, ("default" if self._config.buckets is None else "config")
+        by_uid = {r.replica_id.unique_id: r.replica_id for r in replicas}
+        owners = assign_buckets(table, by_uid, self._config.assignment)
+        return RoutingPlan(
+            replica_ids=key,
+            table=table,
+            table_source=source,
+            owners={bucket: frozenset(by_uid[uid] for uid in uids) for bucket, uids in owners.items()},
+            not_ready=frozenset(not_ready),
+        )
+
+    def bucket_for(self, plan: RoutingPlan, size: tuple[int, int]) -> BucketKey:
+        """The request's bucket; sizes above every bucket (run eagerly) count as the largest."""
+        return plan.table.bucket_for(*size) or plan.table.largest
+
+    def spill_queue_len(self, replica: RunningReplica) -> int:
+        if self._config.spill_queue_len is not None:
+            return self._config.spill_queue_len
+        return max(1, math.ceil(self._config.spill_fraction * replica.max_ongoing_requests))
+
+    def spill_patches(self, plan: RoutingPlan) -> int:
+        configured = self._config.spill_patches
+        return 2 * plan.table.largest.budget if configured is None else configured
+
+    def is_saturated(self, replica: RunningReplica, plan: RoutingPlan) -> bool:
+        queue_len = self._replica_queue_len_cache.get(replica.replica_id)  # None: unknown, Ray will probe
+        if queue_len is not None and queue_len >= self.spill_queue_len(replica):
+            return True
+        limit = self.spill_patches(plan)
+        return bool(limit) and self.inflight_patches(replica.replica_id) >= limit
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        size = self._size(pending_request)
+        if size is None:
+            return self._choose_default(candidate_replicas, pending_request)
+        plan = self.plan(candidate_replicas)
+        owners = plan.owners[self.bucket_for(plan, size)]
+        owners_ok: list[RunningReplica] = []
+        others_ok: list[RunningReplica] = []
+        owners_busy: list[RunningReplica] = []
+        others_busy: list[RunningReplica] = []
+        not_ready: list[RunningReplica] = []
+        for replica in candidate_replicas:
+            if replica.replica_id in plan.not_ready:
+                not_ready.append(replica)
+            elif self.is_saturated(replica, plan):
+                (owners_busy if replica.replica_id in owners else others_busy).append(replica)
+            else:
+                (owners_ok if replica.replica_id in owners else others_ok).append(replica)
+        if pending_request is not None:
+            context = pending_request.routing_context
+            rounds = getattr(context, "bucket_owner_rounds", 0)
+            if owners_ok and rounds < self._config.owner_only_rounds:
+                # Owners only, and no backoff: Ray retries at once with a doubled probe deadline.
+                context.bucket_owner_rounds = rounds + 1
+                context.should_backoff = False
+                return [owners_ok]
+            # Every replica is in some group: if none had room, back off before the next round.
+            context.should_backoff = True
+        return [group for group in (owners_ok, others_ok, owners_busy, others_busy, not_ready) if group]
+
+    def _choose_default(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        """Ray's default: two random replicas (same node first when configured); Ray takes the shorter queue."""
+        candidates = candidate_replicas
+        local_ids = self.apply_locality_routing(pending_request)
+        if local_ids:
+            preferred = [r for r in candidate_replicas if r.replica_id in local_ids]
+            candidates = preferred or candidate_replicas
+        elif pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        return [random.sample(candidates, min(2, len(candidates)))]
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)

@@ -1,0 +1,70 @@
+"""Embed images from a Python pipeline through a Ray Serve `DeploymentHandle` (no HTTP).
+
+    # against a service on a cluster started with `ray start --head` (a cluster that `serve run`
+    # starts by itself refuses other processes: Ray 2.60's token authentication):
+    ray start --head && serve run --address auto deployments:app    # in another terminal
+    python examples/handle_pipeline.py --app default                  # --address HOST:PORT if several
+    # or start the service inside this process:
+    python examples/handle_pipeline.py --local
+
+`embed(images, pooling="mean")` takes encoded bytes, PIL images, uint8 arrays (and data URLs) and
+returns one float32 numpy array per image. Many concurrent calls are merged by the ingress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+DEFAULT_IMAGE = Path(__file__).parent / "images" / "gradient.jpg"
+
+
+async def embed_stream(handle, batches: list[list], pooling: str = "mean") -> list[list[np.ndarray]]:
+    """Many calls in flight at once (how a pipeline keeps the GPU busy): one call per batch."""
+    return list(await asyncio.gather(*(handle.embed.remote(b, pooling=pooling) for b in batches)))
+
+
+def main(handle, image: str | Path = DEFAULT_IMAGE) -> list[np.ndarray]:
+    """Embed one image given three ways (bytes, PIL, array), then a stream of small batches."""
+    data = Path(image).read_bytes()
+    pil = Image.open(image).convert("RGB")
+    pixels = np.asarray(pil)[::2, ::2].copy()  # any uint8 HxWx3 array
+    vectors = handle.embed.remote([data, pil, pixels]).result()
+    print("embed([bytes, PIL, array]) ->", [v.shape for v in vectors])
+    tokens = handle.embed.remote([data], pooling="none").result()[0]
+    print("pooling='none' ->", tokens.shape)
+    batches = [[pixels[: 56 + 28 * i]] for i in range(8)]
+    results = asyncio.run(embed_stream(handle, batches))
+    print(f"{len(results)} concurrent calls ->", [r[0].shape for r in results])
+    return vectors
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--app", default="default", help="name of a running Serve application (`serve run` names it default)"
+    )
+    parser.add_argument("--address", default="auto", help="Ray cluster address (GCS host:port) of the service")
+    parser.add_argument("--local", action="store_true", help="start the tiny service in this process")
+    parser.add_argument("--image", default=str(DEFAULT_IMAGE))
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    if args.local:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, if not pip-installed
+        import deployments
+
+        ray.init(num_cpus=4)
+        handle = serve.run(deployments.build_app({}), name=args.app, route_prefix="/")
+    else:
+        ray.init(address=args.address)
+        handle = serve.get_app_handle(args.app)
+    main(handle, args.image)

@@ -1,0 +1,78 @@
+"""Shared Ray / Serve fixtures for the service tests (a pytest plugin: `pytest_plugins = [...]`).
+
+One Ray instance per test session (starting Ray costs ~8 s here), with logical resources so an
+ingress and two encoder replicas fit on a 2-CPU machine. Each module deploys what it needs with
+`running_app(...)` and shuts Serve down when it is done, so other modules can deploy after it.
+Serve's HTTP proxy listens on a free port (other test runs may share this machine).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import ray
+from ray import serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """A Ray instance for the whole session (reused if something already started one)."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False)
+    yield
+    if started:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@dataclass
+class Service:
+    handle: serve.handle.DeploymentHandle | None
+    base_url: str
+    name: str
+
+
+def start_serve() -> str:
+    """Start Serve (HTTP on a free local port) if it is not running; the proxy's base URL."""
+    from ray.serve.context import _get_global_client
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    port = _get_global_client().http_config.port
+    return f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def running_app(app, name: str, route_prefix: str = "/") -> Iterator[Service]:
+    """Deploy `app` (blocks until it is running); shut Serve down afterwards."""
+    base_url = start_serve()
+    try:
+        handle = serve.run(app, name=name, route_prefix=route_prefix)
+        yield Service(handle, base_url, name)
+    finally:
+        serve.shutdown()
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 60.0, interval_s: float = 0.1, what: str = "") -> None:
+    """Poll `check` until it returns True; fail the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception as e:  # noqa: BLE001 - keep polling; report the last error on timeout
+            last = e
+        time.sleep(interval_s)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {what or check}: {last!r}")

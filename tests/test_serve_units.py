@@ -1,0 +1,263 @@
+"""Service pieces that need no running Serve: arguments, app building, input decoding, error mapping,
+batching, device-side patchify, readiness. Fast; the Serve tests cover the same paths end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from images_util import encode, random_array, random_image
+from pydantic import ValidationError
+
+from deployments.config import AppArgs, batch_limits, bucket_table, resolve_device, resolve_num_gpus
+from deployments.ingress import chunk, encoder_ready
+from deployments.openai_api import (
+    RequestError,
+    classify,
+    decode_image_string,
+    embeddings_body,
+    prepare_image,
+    with_index,
+)
+from deployments.replica import ContinuousBatcher, Work, check_pixels, stack_patchify
+from encoder.errors import (
+    ConfigError,
+    EncoderError,
+    ImageDecodeError,
+    ImageTooLargeError,
+    InvalidArgumentError,
+    InvalidImageError,
+)
+from encoder.preprocess import PreprocessConfig, load_image, patchify_many, resize_image
+from workspace.buckets import BucketKey
+
+PP = PreprocessConfig()
+
+# ------------------------------------------------------------------------------------------ arguments
+
+
+def test_app_args_coerce_cli_strings_and_reject_mistakes(tmp_path):
+    a = AppArgs.model_validate(
+        {"num_replicas": "2", "num_gpus": "0.5", "ingress_batch_size": "0", "buckets": "256,1024"}
+    )
+    assert (a.num_replicas, a.num_gpus, a.ingress_batch_size) == (2, 0.5, 0)
+    assert a.model_name == "tiny" and AppArgs(served_model_name="vit").model_name == "vit"
+    assert AppArgs(model=str(tmp_path / "ckpt-7b")).model_name == str(tmp_path / "ckpt-7b")  # not a dir (yet)
+    (tmp_path / "ckpt-7b").mkdir()
+    assert AppArgs(model=str(tmp_path / "ckpt-7b") + "/").model_name == "ckpt-7b"
+    for bad in ({"num_replicas": 0}, {"num_gpus": -1}, {"nmu_replicas": 2}, {"buckets": "256,abc"},
+                {"buckets": "pow2:256-1000"}, {"batcher": "magic"}, {"request_router_kwargs": {"x": 1}}):  # fmt: skip
+        with pytest.raises(ValidationError):
+            AppArgs.model_validate(bad)
+
+
+def test_gpu_and_device_decisions():
+    assert resolve_num_gpus(AppArgs(num_gpus=0.25)) == 0.25
+    assert resolve_num_gpus(AppArgs(device="cpu")) == 0.0
+    assert resolve_num_gpus(AppArgs()) == (1.0 if torch.cuda.is_available() else 0.0)
+    assert resolve_device(AppArgs(), 0.5) == "cuda" and resolve_device(AppArgs(), 0) == "cpu"
+    assert resolve_device(AppArgs(device="cpu"), 1) == "cpu"
+
+
+def test_bucket_tables_and_batch_limits():
+    cpu = bucket_table(AppArgs(), "cpu", merge_unit=4)
+    assert cpu.keys == (BucketKey(256, 1), BucketKey(1024, 1))
+    assert batch_limits(AppArgs(), cpu, "cpu") == (8192, 32)
+    assert bucket_table(AppArgs(), "cuda", merge_unit=4) is None  # GraphEncoder's default table
+    table = bucket_table(AppArgs(buckets="pow2:256-4096", bucket_max_images=8), "cuda", merge_unit=4)
+    assert [k.budget for k in table.keys] == [256, 512, 1024, 2048, 4096] and table.largest.max_images == 8
+    assert batch_limits(AppArgs(buckets="pow2:256-4096"), table, "cuda") == (4096, 8)
+    assert batch_limits(AppArgs(max_batch_patches=1000, max_batch_size=3), table, "cpu") == (1000, 3)
+    capped = bucket_table(AppArgs(bucket_max_images=4), "cuda", merge_unit=4, max_budget=8192)
+    assert capped.largest == BucketKey(8192, 4)
+
+
+def test_build_app_from_cli_style_arguments():
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve._private.utils import import_attr
+
+    build = import_attr("deployments:build_app")
+    app = call_user_app_builder_with_args_if_necessary(build, {"model": "tiny", "num_replicas": "2", "num_gpus": "0.5"})
+    ingress = app._bound_deployment
+    assert ingress.name == "VisionIngress" and ingress.ray_actor_options["num_cpus"] == 0.25
+    enc = ingress.init_args[0]._bound_deployment
+    assert enc.name == "VisionEncoder" and enc.num_replicas == 2 and enc.max_ongoing_requests == 512
+    assert enc.ray_actor_options == {"num_cpus": 0.5, "num_gpus": 0.5}
+    routed = build({"request_router_class": "deployments.router:BucketRouter", "request_router_kwargs": {}})
+    config = routed._bound_deployment.init_args[0]._bound_deployment._deployment_config.request_router_config
+    assert "BucketRouter" in str(config.request_router_class)
+    with pytest.raises(ValidationError):
+        build({"num_replicas": "two"})
+
+
+def test_default_app_import_path_survives_submodule_imports():
+    from ray.serve import Application
+    from ray.serve._private.utils import import_attr
+
+    import deployments.application  # noqa: F401 - a submodule import must not shadow `deployments.app`
+
+    assert isinstance(import_attr("deployments:app"), Application)
+
+
+# ------------------------------------------------------------------------------------------ ingress pieces
+
+
+def test_decode_image_strings():
+    data = b"\x89PNG fake"
+    b64 = base64.b64encode(data).decode()
+    assert decode_image_string(f"data:image/png;base64,{b64}") == data
+    assert decode_image_string(f"data:;base64,{b64}") == data  # no media type
+    assert decode_image_string(b64) == data
+    assert decode_image_string(b64[:4] + "\n" + b64[4:]) == data  # MIME line breaks
+    cases = {
+        "data:image/png;base64": (400, "invalid_data_url"),
+        "data:image/png,abc": (400, "invalid_data_url"),
+        "data:application/pdf;base64,AAAA": (415, "unsupported_media_type"),
+        "http://x/y.png": (400, "invalid_image_url"),
+        "abc$": (400, "invalid_base64"),
+        "abcde": (400, "invalid_base64"),
+    }
+    for text, (status, code) in cases.items():
+        with pytest.raises(RequestError) as info:
+            decode_image_string(text)
+        assert (info.value.status, info.value.code) == (status, code), text
+
+
+def test_prepare_image_sizes_and_unsupported_format():
+    arr = prepare_image(encode(random_image("RGB", 50, 70), "PNG"), PP)
+    assert arr.dtype == np.uint8 and arr.shape[0] % 28 == 0 and arr.shape[1] % 28 == 0
+    same = prepare_image(random_array(50, 70, 3), PP)
+    assert same.shape == arr.shape
+    with pytest.raises(RequestError) as info:
+        prepare_image(encode(random_image("RGB", 16, 16), "ICO"), PP)
+    assert info.value.status == 415 and "ICO" in str(info.value)
+    with pytest.raises(ImageDecodeError):
+        prepare_image(b"not an image", PP)
+
+
+def test_error_classification():
+    class RayTaskErrorLike(ImageTooLargeError):  # what a replica's exception looks like at the ingress
+        def __init__(self, cause):
+            super().__init__("wrapped")
+            self.cause = cause
+
+    assert classify(RequestError("x", 415, "c", "input")) == (415, "invalid_request_error", "c", "input")
+    assert classify(ImageTooLargeError("x"))[0] == 413
+    assert classify(RayTaskErrorLike(ImageTooLargeError("big")))[0] == 413
+    assert classify(ImageDecodeError("x"))[:3] == (400, "invalid_request_error", "invalid_image")
+    assert classify(InvalidImageError("x"))[0] == 400
+    assert classify(InvalidArgumentError("x"))[0] == 400
+    assert classify(ConfigError("x"))[0] == 500 and classify(RuntimeError("x"))[:2] == (500, "server_error")
+    e = with_index(ImageDecodeError("bad"), "input[3]")
+    assert type(e) is ImageDecodeError and str(e) == "input[3]: bad"
+    r = with_index(RequestError("b64", 400, "invalid_base64"), "input[1]")
+    assert (r.status, r.code, str(r)) == (400, "invalid_base64", "input[1]: b64")
+
+
+def test_embeddings_body_formats():
+    import json
+
+    vec, tokens = np.arange(4, dtype=np.float32), np.arange(6, dtype=np.float32).reshape(3, 2)
+    body = json.loads(embeddings_body([vec, tokens], "base64", "tiny", 99))
+    assert body["usage"] == {"prompt_tokens": 99, "total_tokens": 99} and body["model"] == "tiny"
+    first, second = body["data"]
+    assert np.array_equal(np.frombuffer(base64.b64decode(first["embedding"]), "<f4"), vec) and "shape" not in first
+    assert second["shape"] == [3, 2]
+    assert np.array_equal(np.frombuffer(base64.b64decode(second["embedding"]), "<f4").reshape(3, 2), tokens)
+    body = json.loads(embeddings_body([tokens], "float", "tiny", 1))
+    assert body["data"][0]["embedding"] == tokens.tolist()
+
+
+def test_chunk_respects_patch_and_image_limits():
+    assert chunk([], 10, 2) == []
+    assert chunk([4, 4, 4], 8, 10) == [(0, 2), (2, 3)]
+    assert chunk([4, 4, 4], 100, 2) == [(0, 2), (2, 3)]
+    assert chunk([20, 1], 8, 10) == [(0, 1), (1, 2)]  # an oversize image travels alone
+
+
+def test_encoder_ready_reads_serve_status():
+    def status(state, running):
+        dep = SimpleNamespace(status=state, replica_states={"RUNNING": running, "STARTING": 1})
+        return SimpleNamespace(applications={"vision": SimpleNamespace(deployments={"VisionEncoder": dep})})
+
+    assert encoder_ready(status("HEALTHY", 2), "vision")[0] is True
+    assert encoder_ready(status("UPDATING", 1), "vision")[0] is False
+    assert encoder_ready(status("HEALTHY", 2), "other")[0] is False
+
+
+# ------------------------------------------------------------------------------------------ replica pieces
+
+
+def test_check_pixels_validates_and_counts():
+    arrays, counts = check_pixels([np.zeros((56, 84, 3), np.uint8), torch.zeros(28, 28, 3, dtype=torch.uint8)], PP)
+    assert counts == [24, 4] and all(isinstance(a, np.ndarray) for a in arrays)
+    for bad in ([np.zeros((56, 84, 3), np.float32)], [np.zeros((56, 84), np.uint8)], [np.zeros((50, 84, 3), np.uint8)],
+                [b"bytes"], np.zeros((1, 28, 28, 3), np.uint8)):  # fmt: skip
+        with pytest.raises(EncoderError):
+            check_pixels(bad, PP)
+
+
+def test_stack_patchify_equals_per_image_patchify():
+    images = [
+        resize_image(load_image(random_array(h, w, 3, seed=i)), PP)
+        for i, (h, w) in enumerate([(56, 84), (112, 84), (60, 84), (56, 56), (200, 150), (90, 150)])
+    ]
+    got = stack_patchify(images, PP, torch.device("cpu"))
+    want = patchify_many([torch.from_numpy(x) for x in images], PP)
+    assert torch.equal(got.grid_thw, want.grid_thw)
+    assert torch.equal(got.pixel_values, want.pixel_values)
+
+
+def _work(patches: int, images: int = 1, tag: str = "") -> Work:
+    return Work([np.zeros((1, 1, 3), np.uint8)] * images, [patches // images] * images, tag or "mean")
+
+
+def test_continuous_batcher_merges_waiting_requests_within_limits():
+    batches: list[list[int]] = []
+
+    async def run(works):
+        batches.append([w.patches for w in works])
+        await asyncio.sleep(0.01)  # the "device" is busy: later arrivals queue up
+        return [w.patches for w in works]
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, lambda p, n: p <= 1000 and n <= 3)
+        first = asyncio.create_task(batcher(_work(100)))
+        await asyncio.sleep(0)  # the first request starts alone: no idle wait
+        rest = [asyncio.create_task(batcher(_work(100 * (i + 2)))) for i in range(5)]
+        return await asyncio.gather(first, *rest)
+
+    results = asyncio.run(scenario())
+    assert results == [100, 200, 300, 400, 500, 600]
+    assert batches[0] == [100]
+    assert all(sum(b) <= 1000 and len(b) <= 3 for b in batches)
+    assert sorted(p for b in batches for p in b) == results and len(batches) < len(results)
+
+
+def test_continuous_batcher_propagates_errors_and_skips_cancelled():
+    seen: list[int] = []
+
+    async def run(works):
+        seen.extend(w.patches for w in works)
+        await asyncio.sleep(0.01)
+        if any(w.pooling == "boom" for w in works):
+            raise InvalidArgumentError("boom")
+        return [w.patches for w in works]
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, lambda p, n: n <= 1)
+        a = asyncio.create_task(batcher(_work(1, tag="boom")))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(batcher(_work(2)))
+        c = asyncio.create_task(batcher(_work(3)))
+        await asyncio.sleep(0)
+        b.cancel()
+        results = await asyncio.gather(a, c, return_exceptions=True)
+        return results
+
+    a, c = asyncio.run(scenario())
+    assert isinstance(a, InvalidArgumentError) and c == 3 and 2 not in seen
