@@ -84,9 +84,9 @@ class AppArgs(BaseModel):
     num_cpus: float = Field(0.5, ge=0, description="Logical CPUs per encoder replica (fractions are fine).")
     max_ongoing_requests: int = Field(512, gt=0, description="Requests one encoder replica accepts at once.")
     request_router_class: str | None = Field(
-        None,
-        description="Import path of a ray.serve RequestRouter for the encoder deployment, e.g. "
-        "'deployments.router:BucketRouter'; None = Ray's default (power of two choices).",
+        "deployments.router:BucketRouter",
+        description="Import path of a ray.serve RequestRouter for the encoder deployment; the default routes "
+        "by sequence-length bucket. None or 'ray' = Ray's default (power of two choices).",
     )
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the router.")
     routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas publish routing stats.")
@@ -112,6 +112,11 @@ class AppArgs(BaseModel):
             except BucketError as e:
                 raise ValueError(str(e)) from e
         return v
+
+    @field_validator("request_router_class", mode="before")
+    @classmethod
+    def _ray_default_router(cls, v):
+        return None if v in ("ray", "default", "none", "") else v
 
     @model_validator(mode="after")
     def _check_router(self) -> AppArgs:

@@ -50,7 +50,7 @@ def test_app_args_coerce_cli_strings_and_reject_mistakes(tmp_path):
     (tmp_path / "ckpt-7b").mkdir()
     assert AppArgs(model=str(tmp_path / "ckpt-7b") + "/").model_name == "ckpt-7b"
     for bad in ({"num_replicas": 0}, {"num_gpus": -1}, {"nmu_replicas": 2}, {"buckets": "256,abc"},
-                {"buckets": "pow2:256-1000"}, {"batcher": "magic"}, {"request_router_kwargs": {"x": 1}}):  # fmt: skip
+                {"buckets": "pow2:256-1000"}, {"batcher": "magic"}, {"request_router_class": "ray", "request_router_kwargs": {"x": 1}}):  # fmt: skip
         with pytest.raises(ValidationError):
             AppArgs.model_validate(bad)
 
@@ -261,3 +261,10 @@ def test_continuous_batcher_propagates_errors_and_skips_cancelled():
 
     a, c = asyncio.run(scenario())
     assert isinstance(a, InvalidArgumentError) and c == 3 and 2 not in seen
+
+
+def test_bucket_router_is_the_default_and_ray_default_is_selectable():
+    from deployments.config import AppArgs
+
+    assert AppArgs().request_router_class == "deployments.router:BucketRouter"
+    assert AppArgs(request_router_class="ray").request_router_class is None
