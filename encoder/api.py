@@ -162,8 +162,11 @@ def load(
     why = backend.supports(device, dtype, config.head_dim)
     if why:
         raise ConfigError(f"attention backend {backend.name!r} cannot run this model: {why}")
-    with torch.device("cpu"):
+    # built on the meta device: PyTorch's default init of ~680M parameters would cost seconds
+    # only to be overwritten by the checkpoint or our seeded init
+    with torch.device("meta"):
         tower = QwenVisionTower(config, backend)
+    tower = tower.to_empty(device="cpu")
     pp = PreprocessConfig(patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
                           merge_size=config.spatial_merge_size)  # fmt: skip
     if is_dir:
