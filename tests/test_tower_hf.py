@@ -105,3 +105,48 @@ def test_mlp_width_padding_is_exact(name):
     assert enc.model.blocks[0].mlp.state_dict()[next(iter(enc.model.blocks[0].mlp.state_dict()))].shape[0] == 128
     after = enc.encode(batch)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_images_end_to_end_match_hf_processor_and_model(family, tmp_path):
+    """Mixed input kinds and sizes through our preprocess + tower against the HF image processor +
+    HF tower on the same checkpoint (float32, CPU)."""
+    import io
+
+    import numpy as np
+    from images_util import encode as encode_image
+    from images_util import random_image
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    directory = tmp_path / "ckpt"
+    tower = write_checkpoint(directory, family, "full", processor={"min_pixels": 3136, "max_pixels": 401408})
+    enc = encoder.load(str(directory), device="cpu", dtype=torch.float32)
+    pil = [
+        random_image("RGB", 90, 140, seed=1),
+        random_image("RGB", 300, 200, seed=2),
+        random_image("L", 64, 500, seed=3),
+        random_image("RGBA", 33, 47, seed=4),
+    ]
+    inputs = [
+        encode_image(pil[0], "PNG"),  # bytes: PNG
+        encode_image(pil[1], "JPEG"),  # bytes: JPEG
+        pil[2],  # PIL, grayscale, wide
+        np.asarray(pil[3].convert("RGB")),  # uint8 HWC array, tiny (upscaled to min_pixels)
+    ]
+    hf_images = [
+        pil[0],
+        Image.open(io.BytesIO(inputs[1])).convert("RGB"),  # HF gets the same decoded JPEG
+        pil[2].convert("RGB"),
+        pil[3].convert("RGB"),
+    ]
+    proc = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=401408)
+    hf_in = proc(images=hf_images, return_tensors="pt")
+    ours = enc.preprocess(inputs)
+    assert torch.equal(ours.grid_thw, hf_in["image_grid_thw"])
+    assert (ours.pixel_values - hf_in["pixel_values"]).abs().max().item() <= 1e-5
+    ref = hf_tokens(tower, hf_in["pixel_values"], hf_in["image_grid_thw"])
+    counts = [int(t * h * w) // 4 for t, h, w in hf_in["image_grid_thw"].tolist()]
+    for out, mean, r in zip(enc.encode(inputs), enc.encode(inputs, "mean"), torch.split(ref, counts), strict=True):
+        assert rel_err(out, r) <= 1e-5
+        assert rel_err(mean, r.mean(0)) <= 1e-5
