@@ -143,6 +143,30 @@ def parse_list(text: str, auto_ok: bool = True) -> list[int | None]:
     return out
 
 
+def export_preset(name: str, directory: Path) -> str:
+    """Write a random-weight preset as a Hugging Face checkpoint directory (vision weights under
+    `visual.`, the patch embedding as the Conv3d it is in real checkpoints, bf16 safetensors)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    import encoder
+
+    enc = encoder.load(name, device="cpu", dtype=torch.float32)
+    cfg = enc.config
+    directory.mkdir(parents=True, exist_ok=True)
+    vision = {k: v for k, v in cfg.model_dump().items() if k != "family"}
+    vision["model_type"] = cfg.family
+    (directory / "config.json").write_text(json.dumps({"model_type": cfg.family, "vision_config": vision}))
+    state = {}
+    for key, value in enc.model.state_dict().items():
+        if key == "patch_embed.proj.weight":
+            value = value.view(cfg.width, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        state[f"visual.{key}"] = value.to(torch.bfloat16).contiguous()
+    save_file(state, str(directory / "model.safetensors"))
+    return str(directory)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     has_gpu = torch.cuda.is_available()
@@ -163,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=os.cpu_count(), help="processes for data generation")
     p.add_argument("--workdir", default=None, help="where the data and outputs go (default: a temp dir)")
     p.add_argument("--markdown", default=None, help="also write the table to this file")
+    p.add_argument(
+        "--as-checkpoint",
+        action="store_true",
+        help="export a preset to a local HF checkpoint (bf16 safetensors) first and run from it, as users do; "
+        "actors then load weights instead of generating ~680M random numbers on the CPU",
+    )
     args = p.parse_args(argv)
 
     import ray
@@ -176,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         f"generated {len(images)} JPEGs ({src.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
     )
+
+    if args.as_checkpoint and not Path(args.model).is_dir():
+        t0 = time.perf_counter()
+        args.model = export_preset(args.model, workdir / "checkpoint")
+        print(f"exported the preset to {args.model} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     pp = preprocess_config_for(args.model)
     gpus = (1 if has_gpu else 0) if args.num_gpus is None else args.num_gpus
