@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, attention and engine benchmarks, a kernel profile. Results in $OUT.
-# Usage on the GPU machine: bash benchmarks/device_run.sh [tests|bench|profile ...]
+# One device call: GPU tests and benchmarks, results under $OUT. Steps (default: tests bench profile):
+#   tests    pytest -m gpu (attention, engine, preprocessing, kernels, CLIP/SigLIP)
+#   attn     benchmarks/attention.py --check
+#   bench    benchmarks/engine.py (every backend, HF beside); quick: triton only, no HF
+#   profile  benchmarks/profile_engine.py
+#   clip     benchmarks/clip.py
+#   batch    benchmarks/batch.py --as-checkpoint (20,000 224x224 JPEGs)
+#   service  benchmarks/service.py (handles, HTTP)
+# Ray/pydantic come from the carried pack: see ../shared/device/pack-ray.sh.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -8,12 +15,20 @@ steps=${*:-tests bench profile}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt" 2>&1
 for s in $steps; do
+  start=$(date +%s)
   case $s in
-    tests) timeout 420 python3 -m pytest -q -m gpu -x tests/test_attention.py tests/test_gpu_engine.py tests/test_preprocess.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
+    tests) timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
     attn) timeout 120 python3 benchmarks/attention.py --check > "$OUT/attention.md" 2>&1 ;;
     bench) timeout 400 python3 benchmarks/engine.py --json "$OUT/engine.json" > "$OUT/engine.md" 2>&1 ;;
+    quick) timeout 120 python3 benchmarks/engine.py --backends triton --no-hf > "$OUT/engine_quick.md" 2>&1 ;;
     profile) timeout 120 python3 benchmarks/profile_engine.py > "$OUT/profile.txt" 2>&1 ;;
+    clip) timeout 150 python3 benchmarks/clip.py > "$OUT/clip.md" 2>&1 ;;
+    batch) timeout 240 python3 benchmarks/batch.py --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \
+             > "$OUT/batch.log" 2>&1 ;;
+    service) timeout 200 python3 benchmarks/service.py --model qwen2.5-vl-7b --replicas-per-gpu 2 --ingress-replicas 6 \
+               --client-procs 8 --batcher continuous --duration 6 --json "$OUT/service.json" 2>&1 \
+               | grep -v "pid=" | tail -30 > "$OUT/service.md" ;;
   esac
-  echo "step $s rc=$?" >> "$OUT/gpu.txt"
+  echo "step $s rc=$? $(( $(date +%s) - start ))s" >> "$OUT/gpu.txt"
 done
 cat "$OUT/gpu.txt"
