@@ -1,7 +1,11 @@
-"""Vision towers, preprocessing, checkpoint loading and attention backends."""
+"""Vision towers, preprocessing, checkpoint loading and attention backends.
 
-from .api import VisionEncoder, load
-from .config import PRESETS, Qwen2VLVisionConfig, Qwen25VLVisionConfig
+Families: Qwen2-VL / Qwen2.5-VL (variable resolution, `encoder.qwen`) and CLIP / SigLIP (fixed
+resolution, `encoder.vit`); poolings "none", "mean", "model", "mean-l2", "model-l2" (`encoder.api`).
+"""
+
+from .api import POOLINGS, VisionEncoder, load
+from .config import PRESETS, ClipVisionConfig, Qwen2VLVisionConfig, Qwen25VLVisionConfig, SiglipVisionConfig
 from .errors import (
     BackendUnavailableError,
     CheckpointError,
@@ -13,11 +17,14 @@ from .errors import (
     InvalidImageError,
 )
 from .patch_batch import PatchBatch
+from .preprocess_vit import VitPreprocessConfig
 
 __all__ = [
+    "POOLINGS",
     "PRESETS",
     "BackendUnavailableError",
     "CheckpointError",
+    "ClipVisionConfig",
     "ConfigError",
     "EncoderError",
     "ImageDecodeError",
@@ -27,6 +34,8 @@ __all__ = [
     "PatchBatch",
     "Qwen2VLVisionConfig",
     "Qwen25VLVisionConfig",
+    "SiglipVisionConfig",
     "VisionEncoder",
+    "VitPreprocessConfig",
     "load",
 ]

@@ -1,4 +1,16 @@
-"""`VisionEncoder` (preprocess -> packed forward -> per-image outputs) and `load()`."""
+"""`VisionEncoder` (preprocess -> packed forward -> per-image outputs) and `load()`.
+
+Poolings (`encode(images, pooling=...)`; the same names in `workspace.GraphEncoder` and the service):
+  * "none": every output token, [tokens, dim] per image. Qwen: the merger's tokens; CLIP / SigLIP:
+    the patch tokens of HF's `last_hidden_state` (CLIP without its class token).
+  * "mean": the mean of those tokens, [dim].
+  * "model": the model's own image embedding, [out_dim]: CLIP `image_embeds` (projected class
+    token), SigLIP `pooler_output` (attention-pooling head). CLIP / SigLIP only.
+  * "mean-l2", "model-l2": the same vector divided by its L2 norm (cosine-ready).
+The default (`pooling=None`) is `VisionEncoder.default_pooling`: "model" for CLIP / SigLIP, "none"
+for the Qwen towers (unchanged). `vector_pooling(config)` is the default one-vector-per-image
+pooling ("model", or "mean" for Qwen), which the batch jobs use.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +20,32 @@ import torch
 
 from .attention import default_backend_name, get_backend
 from .checkpoint import load_config, load_weights, read_json
-from .config import VisionConfig, preset
+from .config import ClipVisionConfig, SiglipVisionConfig, VisionConfig, preset
 from .errors import ConfigError, InvalidArgumentError
 from .geometry import compute_meta, count_windows, frames_of
 from .patch_batch import PatchBatch
 from .preprocess import PreprocessConfig, preprocess
+from .preprocess_vit import VitPreprocessConfig, check_matches_model, preprocess_vit
 from .qwen import QwenVisionTower
+from .vit import VitTower, build_vit_tower
 
-POOLINGS = ("none", "mean")
+POOLINGS = ("none", "mean", "model", "mean-l2", "model-l2")
+
+
+def is_fixed_resolution(config: VisionConfig) -> bool:
+    """CLIP / SigLIP: one image size, a fixed number of patches per image."""
+    return isinstance(config, ClipVisionConfig | SiglipVisionConfig)
+
+
+def vector_pooling(config: VisionConfig) -> str:
+    """The default one-vector-per-image pooling: the model's own embedding where it has one, else the mean."""
+    return "model" if is_fixed_resolution(config) else "mean"
+
+
+def split_pooling(pooling: str) -> tuple[str, bool]:
+    """("mean" | "model" | "none", L2-normalise?) of a checked pooling name."""
+    base, _, suffix = pooling.partition("-")
+    return base, suffix == "l2"
 
 
 def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
@@ -26,7 +56,8 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 std = p.shape[-1] ** -0.5
-                if name.endswith(("attn.proj.weight", "mlp.down_proj.weight", "mlp.fc2.weight")):
+                residual_out = ("attn.proj.weight", "mlp.down_proj.weight", "mlp.fc2.weight", "attn.out_proj.weight")
+                if name.endswith(residual_out):
                     # residual-branch outputs scaled by 1/sqrt(2 * depth) (GPT-2 style), so a random
                     # tower keeps its branches small against the stream as trained towers do;
                     # with unit-scale branches bf16 rounding compounds over 32 blocks
@@ -34,6 +65,8 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            elif name.endswith("class_embedding"):  # CLIP's class token: an embedding, not a norm scale
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
             else:  # norm scales: near one, not exactly, so a swapped norm would show
                 p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.05)
 
@@ -46,9 +79,27 @@ def pool_outputs(tokens: torch.Tensor, counts: list[int], pooling: str) -> list[
     return [p.float() for p in parts]
 
 
+def l2_normalize(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.nn.functional.normalize(v, dim=-1) for v in vectors]
+
+
 def check_pooling(pooling: str) -> None:
+    """The name is known (family-independent; `resolve_pooling` checks that the model supports it)."""
     if pooling not in POOLINGS:
         raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+
+
+def resolve_pooling(pooling: str | None, config: VisionConfig) -> str:
+    """`pooling`, or the model's default when None; raises InvalidArgumentError if the model lacks it."""
+    if pooling is None:
+        return "model" if is_fixed_resolution(config) else "none"
+    check_pooling(pooling)
+    if split_pooling(pooling)[0] == "model" and not is_fixed_resolution(config):
+        raise InvalidArgumentError(
+            f"pooling {pooling!r} needs a model with its own image embedding (CLIP, SigLIP); "
+            f"{config.family} towers support none, mean, mean-l2"
+        )
+    return pooling
 
 
 class VisionEncoder:
@@ -57,8 +108,8 @@ class VisionEncoder:
     def __init__(
         self,
         config: VisionConfig,
-        model: QwenVisionTower,
-        preprocess_config: PreprocessConfig,
+        model: QwenVisionTower | VitTower,
+        preprocess_config: PreprocessConfig | VitPreprocessConfig,
         name: str = "custom",
     ):
         self.config = config
@@ -76,9 +127,30 @@ class VisionEncoder:
 
     @property
     def out_dim(self) -> int:
+        """Width of the default embedding: the merger's tokens (Qwen), the model embedding (CLIP / SigLIP)."""
         return self.config.out_dim
 
+    @property
+    def fixed_resolution(self) -> bool:
+        return is_fixed_resolution(self.config)
+
+    @property
+    def default_pooling(self) -> str:
+        return resolve_pooling(None, self.config)
+
+    def resolve_pooling(self, pooling: str | None) -> str:
+        return resolve_pooling(pooling, self.config)
+
+    def output_dim(self, pooling: str | None = None) -> int:
+        """Width of the vectors `encode` returns for this pooling (CLIP's tokens and its embedding differ)."""
+        pooling = self.resolve_pooling(pooling)
+        if split_pooling(pooling)[0] == "model" or not self.fixed_resolution:
+            return self.config.out_dim
+        return self.config.token_dim
+
     def preprocess(self, images) -> PatchBatch:
+        if isinstance(self.preprocess_config, VitPreprocessConfig):
+            return preprocess_vit(images, self.preprocess_config)
         return preprocess(images, self.preprocess_config)
 
     def output_counts(self, grid_thw: torch.Tensor) -> list[int]:
@@ -86,6 +158,8 @@ class VisionEncoder:
         return [int(t * h * w) // self.config.merge_unit for t, h, w in grid_thw.tolist()]
 
     def check_batch(self, batch: PatchBatch) -> None:
+        if self.fixed_resolution:
+            return self._check_fixed_batch(batch)
         m = self.config.spatial_merge_size
         if batch.pixel_values.shape[1] != self.config.patch_dim:
             raise InvalidArgumentError(
@@ -98,9 +172,36 @@ class VisionEncoder:
         if sum(t * h * w for t, h, w in grid) != batch.pixel_values.shape[0]:
             raise InvalidArgumentError("grid_thw does not match the number of patches in pixel_values")
 
+    def _check_fixed_batch(self, batch: PatchBatch) -> None:
+        cfg = self.config
+        if batch.pixel_values.shape[1] != cfg.patch_dim:
+            raise InvalidArgumentError(
+                f"pixel_values have {batch.pixel_values.shape[1]} values per patch, the model expects {cfg.patch_dim}"
+            )
+        grid = batch.grid_thw.tolist()
+        if any(row != [1, cfg.grid, cfg.grid] for row in grid):
+            raise InvalidArgumentError(
+                f"this model takes {cfg.image_size}x{cfg.image_size}-pixel images only: every grid_thw row must be "
+                f"[1, {cfg.grid}, {cfg.grid}], got {grid}"
+            )
+        if len(grid) * cfg.num_patches != batch.pixel_values.shape[0]:
+            raise InvalidArgumentError("grid_thw does not match the number of patches in pixel_values")
+
+    @torch.inference_mode()
+    def forward_fixed(self, batch: PatchBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager forward of a CLIP / SigLIP batch: (patch tokens [n * L, token_dim], embeddings [n, out_dim])."""
+        self.check_batch(batch)
+        dev = self.device
+        cu = self.model.eager_segments(batch.num_images, dev)
+        return self.model(batch.pixel_values.to(dev, non_blocking=True), cu)
+
     @torch.inference_mode()
     def forward_packed(self, batch: PatchBatch) -> torch.Tensor:
-        """Eager forward of a whole batch: [sum tokens, out_dim] in the model dtype, on device."""
+        """Eager forward of a whole batch: [sum tokens, out_dim] in the model dtype, on device.
+
+        CLIP / SigLIP: the patch tokens [n * L, token_dim] (the whole tower runs, head included)."""
+        if self.fixed_resolution:
+            return self.forward_fixed(batch)[0]
         self.check_batch(batch)
         dev = self.device
         grid = batch.grid_thw.tolist()
@@ -114,18 +215,27 @@ class VisionEncoder:
         )
         return self.model(batch.pixel_values.to(dev, non_blocking=True), meta)
 
-    def encode(self, images, pooling: str = "none") -> list[torch.Tensor]:
-        """Per image: merger tokens [tokens, out_dim] ("none") or their mean [out_dim] ("mean").
+    def encode(self, images, pooling: str | None = None) -> list[torch.Tensor]:
+        """Per image, float32 CPU tensors: tokens [tokens, dim] ("none"), their mean [dim] ("mean"), the
+        model's embedding [out_dim] ("model"), optionally L2-normalised ("-l2"); see the module docstring.
 
-        Returns float32 CPU tensors. `images` is a list of inputs `preprocess` accepts, or a
-        `PatchBatch`.
+        `images` is a list of inputs `preprocess` accepts, or a `PatchBatch`. `pooling=None` is the
+        model's default (`default_pooling`).
         """
-        check_pooling(pooling)
+        pooling = self.resolve_pooling(pooling)
+        base, l2 = split_pooling(pooling)
         batch = images if isinstance(images, PatchBatch) else self.preprocess(images)
         if batch.num_images == 0:
             return []
-        tokens = self.forward_packed(batch)
-        return pool_outputs(tokens.cpu(), self.output_counts(batch.grid_thw), pooling)
+        if self.fixed_resolution:
+            tokens, pooled = self.forward_fixed(batch)
+            outs = list(pooled.cpu().unbind(0)) if base == "model" else None
+        else:
+            tokens = self.forward_packed(batch)
+            outs = None
+        if outs is None:
+            outs = pool_outputs(tokens.cpu(), self.output_counts(batch.grid_thw), base)
+        return l2_normalize(outs) if l2 else outs
 
 
 def default_device() -> torch.device:
@@ -142,6 +252,27 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype not in names:
         raise ConfigError(f"unknown dtype {dtype!r}; expected one of {', '.join(names)}")
     return names[dtype]
+
+
+def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
+    """The preprocessing of a model: `preprocessor_config.json` in `directory` when present, else the
+    family's defaults for this config (no weights needed)."""
+    path = directory / "preprocessor_config.json" if directory is not None else None
+    raw = read_json(path) if path is not None and path.exists() else None
+    if is_fixed_resolution(config):
+        if raw is None:
+            pp = VitPreprocessConfig.for_model(config)
+            check_matches_model(pp, config)
+            return pp
+        return VitPreprocessConfig.from_hf_dict(raw, config)
+    if raw is not None:
+        return PreprocessConfig.from_hf_dict(raw)
+    return PreprocessConfig(patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
+                            merge_size=config.spatial_merge_size)  # fmt: skip
+
+
+def build_tower(config: VisionConfig, backend) -> QwenVisionTower | VitTower:
+    return build_vit_tower(config, backend) if is_fixed_resolution(config) else QwenVisionTower(config, backend)
 
 
 def load(
@@ -165,15 +296,12 @@ def load(
     # built on the meta device: PyTorch's default init of ~680M parameters would cost seconds
     # only to be overwritten by the checkpoint or our seeded init
     with torch.device("meta"):
-        tower = QwenVisionTower(config, backend)
+        tower = build_tower(config, backend)
     tower = tower.to_empty(device="cpu")
-    pp = PreprocessConfig(patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
-                          merge_size=config.spatial_merge_size)  # fmt: skip
     if is_dir:
         load_weights(tower, path)
-        if (path / "preprocessor_config.json").exists():
-            pp = PreprocessConfig.from_hf_dict(read_json(path / "preprocessor_config.json"))
     else:
         init_random_weights(tower, seed)
+    pp = preprocess_config_for(config, path if is_dir else None)
     tower = tower.to(device=device, dtype=dtype).eval()
     return VisionEncoder(config, tower, pp, name=str(path) if is_dir else model)

@@ -4,6 +4,10 @@ Accepted layouts: `config.json` of a full VLM (its `vision_config` is used) or o
 alone; weights in `model.safetensors` or shards listed in `model.safetensors.index.json`; vision
 weights under `visual.`, `model.visual.` or at the top level (a vision tower saved alone). Only
 the vision tensors are read, so a 7B VLM checkpoint costs the tower's bytes, not the LLM's.
+CLIP / SigLIP: a full `CLIPModel` / `SiglipModel` (vision weights under `vision_model.`, CLIP's
+`visual_projection.` at the top level; the text tower is not read) or the vision model alone
+(`CLIPVisionModelWithProjection`, `SiglipVisionModel`); the tower class names its own prefixes
+(`checkpoint_prefixes`, `checkpoint_top_level`).
 Pickled weights (`*.bin`, `*.pt`) are refused: unpickling runs arbitrary code.
 """
 
@@ -36,8 +40,13 @@ def read_json(path: Path) -> dict:
 def load_config(directory: Path) -> VisionConfig:
     raw = read_json(directory / "config.json")
     vision = raw.get("vision_config")
+    if isinstance(raw.get("vision_config_dict"), dict):  # older CLIP configs: these values win (as in HF)
+        vision = {**(vision if isinstance(vision, dict) else {}), **raw["vision_config_dict"]}
     try:
         if isinstance(vision, dict):
+            if raw.get("model_type") == "clip" and raw.get("projection_dim") is not None:
+                # CLIPModel's visual projection is sized by the top-level projection_dim
+                vision = {**vision, "projection_dim": raw["projection_dim"]}
             return from_hf_dict(vision, model_type=raw.get("model_type"))
         return from_hf_dict(raw)
     except ConfigError as exc:
@@ -74,35 +83,51 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from None
 
 
-def read_vision_state(directory: Path, expected: set[str]) -> dict[str, torch.Tensor]:
-    """The tensors of the vision tower, keyed by our parameter names (prefix removed)."""
+def read_vision_state(
+    directory: Path,
+    expected: set[str],
+    prefixes: tuple[str, ...] = _PREFIXES,
+    top_level: tuple[str, ...] = (),
+) -> dict[str, torch.Tensor]:
+    """The tensors of the vision tower, keyed by our parameter names (prefix removed).
+
+    `prefixes`: where the tower may live (the one holding most expected names wins); `top_level`:
+    expected names stored at the top level whatever the prefix (CLIP's `visual_projection.weight`).
+    """
     files = weight_files(directory)
-    located: dict[str, list[tuple[Path, str]]] = {p: [] for p in _PREFIXES}
+    located: dict[str, list[tuple[Path, str]]] = {p: [] for p in prefixes}
+    top: list[tuple[Path, str]] = []
     for path in files:
         with _open(path) as f:
             for key in f.keys():
-                for prefix in _PREFIXES:
+                if key in top_level:
+                    top.append((path, key))
+                    continue
+                for prefix in prefixes:
                     if key.startswith(prefix) and key[len(prefix) :] in expected:
                         located[prefix].append((path, key))
     # the prefix under which the tower lives: the one holding most of the expected names
-    prefix = max(_PREFIXES, key=lambda p: len(located[p]))
+    prefix = max(prefixes, key=lambda p: len(located[p]))
     if not located[prefix]:
-        raise CheckpointError(
-            f"{directory}: no vision tower weights found (looked for keys like "
-            f"'visual.{next(iter(sorted(expected)))}' or 'model.visual.…')"
+        example = next(iter(sorted(expected - set(top_level))))
+        where = (
+            f"'visual.{example}' or 'model.visual.…'"
+            if prefixes == _PREFIXES
+            else " or ".join(f"'{p}{example}'" for p in prefixes)
         )
+        raise CheckpointError(f"{directory}: no vision tower weights found (looked for keys like {where})")
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
-    for path, key in located[prefix]:
+    for path, key in top + located[prefix]:
         by_file.setdefault(path, []).append(key)
     for path, keys in by_file.items():
         with _open(path) as f:
             for key in keys:
                 try:
-                    state[key[len(prefix) :]] = f.get_tensor(key)
+                    state[key if key in top_level else key[len(prefix) :]] = f.get_tensor(key)
                 except (SafetensorError, OSError, ValueError) as exc:
                     raise CheckpointError(f"{path}: tensor {key!r} is unreadable ({exc})") from None
-    _check_unexpected(directory, files, prefix, expected)
+    _check_unexpected(directory, files, prefix, expected | set(top_level))
     return state
 
 
@@ -114,7 +139,7 @@ def _check_unexpected(directory: Path, files: list[Path], prefix: str, expected:
         with _open(path) as f:
             extra += [k for k in f.keys() if k.startswith(prefix) and k[len(prefix) :] not in expected]
     # non-persistent buffers some exporters still write are harmless
-    extra = [k for k in extra if not k.endswith("inv_freq")]
+    extra = [k for k in extra if not k.endswith(("inv_freq", "position_ids"))]
     if extra:
         shown = ", ".join(sorted(extra)[:5])
         raise CheckpointError(f"{directory}: unexpected vision weights not in the model: {shown}")
@@ -123,11 +148,19 @@ def _check_unexpected(directory: Path, files: list[Path], prefix: str, expected:
 def load_weights(model: torch.nn.Module, directory: Path) -> None:
     """Copy the checkpoint's vision weights into `model`, checking names and shapes."""
     params = dict(model.state_dict())
-    state = read_vision_state(directory, set(params))
+    prefixes = getattr(model, "checkpoint_prefixes", _PREFIXES)
+    top_level = getattr(model, "checkpoint_top_level", ())
+    state = read_vision_state(directory, set(params), prefixes, top_level)
     missing = sorted(set(params) - set(state))
     if missing:
         shown = ", ".join(missing[:5])
-        raise CheckpointError(f"{directory}: missing vision weights ({len(missing)}): {shown}")
+        hint = ""
+        if missing == ["visual_projection.weight"]:
+            hint = (
+                " (a CLIPVisionModel checkpoint has no projection to image_embeds; use a CLIPModel or "
+                "CLIPVisionModelWithProjection checkpoint)"
+            )
+        raise CheckpointError(f"{directory}: missing vision weights ({len(missing)}): {shown}{hint}")
     with torch.no_grad():
         for name, tensor in state.items():
             target = params[name]

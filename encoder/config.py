@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -122,7 +122,154 @@ class Qwen25VLVisionConfig(_QwenVisionBase):
         return self
 
 
-VisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig
+class _VitVisionBase(BaseModel):
+    """A plain ViT over one fixed-resolution image: every image is (image_size / patch_size)^2 patches.
+
+    Field names are those of the Hugging Face `vision_config`. The properties named like the Qwen
+    configs' (`width`, `depth`, `patch_dim`, `merge_unit`, ...) let shared code (buckets, runner,
+    service) treat both kinds alike: a ViT has no temporal patches and no patch merging.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hidden_size: int = Field(768, gt=0, description="Hidden width of the blocks.")
+    intermediate_size: int = Field(3072, gt=0, description="MLP hidden width.")
+    num_hidden_layers: int = Field(12, gt=0, description="Number of transformer blocks.")
+    num_attention_heads: int = Field(12, gt=0, description="Attention heads per block.")
+    num_channels: int = Field(3, gt=0, description="Image channels (RGB).")
+    image_size: int = Field(224, gt=0, description="Side of the (square) input image in pixels.")
+    patch_size: int = Field(16, gt=0, description="Patch side in pixels; pixels past the last whole patch are unused.")
+    layer_norm_eps: float = Field(1e-5, gt=0, description="LayerNorm epsilon.")
+
+    @field_validator("image_size", "patch_size", mode="before")
+    @classmethod
+    def _square(cls, v):
+        # HF configs may give [h, w]; the towers (and HF's position embeddings) assume a square
+        if isinstance(v, list | tuple):
+            if len(v) != 2 or v[0] != v[1]:
+                raise ValueError(f"only square sizes are supported, got {list(v)}")
+            return v[0]
+        return v
+
+    @model_validator(mode="after")
+    def _check_shape(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
+        if self.image_size < self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is smaller than one patch ({self.patch_size})")
+        return self
+
+    # -- the names shared code reads -------------------------------------------------------------
+    @property
+    def width(self) -> int:
+        return self.hidden_size
+
+    @property
+    def depth(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def in_channels(self) -> int:
+        return self.num_channels
+
+    @property
+    def temporal_patch_size(self) -> int:
+        return 1
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return 1
+
+    @property
+    def merge_unit(self) -> int:
+        return 1
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened input patch: C * P * P (the Conv2d kernel, flattened)."""
+        return self.num_channels * self.patch_size**2
+
+    @property
+    def grid(self) -> int:
+        """Patches per side."""
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        """Patches (and patch tokens) per image: fixed, the unit of the bucket table."""
+        return self.grid**2
+
+    @property
+    def has_class_token(self) -> bool:
+        return False
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per image inside the blocks (patches, plus the class token where there is one)."""
+        return self.num_patches + int(self.has_class_token)
+
+    @property
+    def token_dim(self) -> int:
+        """Width of the per-token outputs (pooling "none" and "mean")."""
+        return self.hidden_size
+
+    @property
+    def out_dim(self) -> int:
+        """Width of the model's own image embedding (pooling "model")."""
+        raise NotImplementedError
+
+
+class ClipVisionConfig(_VitVisionBase):
+    """CLIP vision tower with its projection (`CLIPVisionModelWithProjection`): class token, pre- and
+    post-LayerNorm, `image_embeds` = visual_projection(post_layernorm(class token))."""
+
+    family: Literal["clip"] = "clip"
+    patch_size: int = Field(32, gt=0, description="Patch side in pixels.")
+    projection_dim: int = Field(512, gt=0, description="Width of image_embeds (the visual projection).")
+    hidden_act: Literal["quick_gelu", "gelu", "gelu_pytorch_tanh"] = Field("quick_gelu", description="MLP activation.")
+
+    @property
+    def has_class_token(self) -> bool:
+        return True
+
+    @property
+    def out_dim(self) -> int:
+        return self.projection_dim
+
+
+class SiglipVisionConfig(_VitVisionBase):
+    """SigLIP vision tower (`SiglipVisionModel`): no class token, post-LayerNorm on every token, and
+    `pooler_output` from the multi-head attention-pooling head."""
+
+    family: Literal["siglip"] = "siglip"
+    layer_norm_eps: float = Field(1e-6, gt=0, description="LayerNorm epsilon.")
+    hidden_act: Literal["gelu_pytorch_tanh", "gelu", "quick_gelu"] = Field(
+        "gelu_pytorch_tanh", description="MLP activation."
+    )
+    vision_use_head: Literal[True] = Field(
+        True, description="The attention-pooling head; towers without it (no pooler_output) are not supported."
+    )
+
+    @property
+    def out_dim(self) -> int:
+        return self.hidden_size
+
+
+VitVisionConfig = ClipVisionConfig | SiglipVisionConfig
+QwenVisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig
+VisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | ClipVisionConfig | SiglipVisionConfig
 
 PRESETS: dict[str, VisionConfig] = {
     # embedded default: random weights, runs in milliseconds on a CPU
@@ -135,6 +282,23 @@ PRESETS: dict[str, VisionConfig] = {
     "qwen2-vl-7b": Qwen2VLVisionConfig(hidden_size=3584),
     "qwen2.5-vl-3b": Qwen25VLVisionConfig(out_hidden_size=2048),
     "qwen2.5-vl-7b": Qwen25VLVisionConfig(),
+    # fixed-resolution image-embedding towers (random weights); tiny ones for CPU tests and the CPU service
+    "tiny-clip": ClipVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=112,
+        patch_size=14, projection_dim=48,
+    ),
+    "tiny-siglip": SiglipVisionConfig(
+        hidden_size=64, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4, image_size=120,
+        patch_size=14,
+    ),
+    "clip-vit-l-14": ClipVisionConfig(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, image_size=224,
+        patch_size=14, projection_dim=768, hidden_act="quick_gelu",
+    ),
+    "siglip-so400m-14-384": SiglipVisionConfig(
+        hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=384,
+        patch_size=14, hidden_act="gelu_pytorch_tanh",
+    ),
 }  # fmt: skip
 
 
@@ -147,14 +311,22 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
     `model_type` is the top-level model type when the dict came from a full VLM config.
     """
     kinds = {str(vision.get("model_type") or ""), str(model_type or "")}
+    # CLIP / SigLIP: the top-level type decides for a full model (a LLaVA config holds a CLIP vision
+    # config too, but its tower is read differently), the vision type for a vision model alone
+    own = str(model_type or vision.get("model_type") or "")
     if kinds & {"qwen2_5_vl", "qwen2_5_vl_vision"}:
         cls = Qwen25VLVisionConfig
     elif kinds & {"qwen2_vl", "qwen2_vl_vision"}:
         cls = Qwen2VLVisionConfig
+    elif own in ("clip", "clip_vision_model"):
+        cls = ClipVisionConfig
+    elif own in ("siglip", "siglip_vision_model"):
+        cls = SiglipVisionConfig
     else:
         raise ConfigError(
             f"unknown model_type {sorted(k for k in kinds if k) or 'missing'}; supported: "
-            "qwen2_vl, qwen2_5_vl (full VLM or vision tower config.json)"
+            "qwen2_vl, qwen2_5_vl (full VLM or vision tower config.json), clip, siglip (full model, or "
+            "CLIPVisionModelWithProjection / SiglipVisionModel config.json)"
         )
     fields = {_HF_ALIASES.get(k, k): v for k, v in vision.items()}
     theta = (fields.get("rope_parameters") or {}).get("rope_theta")

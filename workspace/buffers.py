@@ -18,6 +18,10 @@ class Workspace:
     per-frame grid. The geometry (`cu_seqlens` full and window, rotary cos/sin, window permutation
     and inverse) is computed inside the graph from `frames_hw` into `meta`, whose tensors are
     allocated during capture and stay at their captured addresses.
+
+    Fixed-resolution towers (CLIP, SigLIP) use the same buffers: a bucket is `max_images` image
+    slots of L patches each (budget = max_images * L), `frames_hw` marks the real slots (zero rows
+    are empty segments), and the graph also writes `pooled`, the model's own embedding per slot.
     """
 
     key: BucketKey
@@ -27,6 +31,7 @@ class Workspace:
     window_slots: int  # static number of window segments (empty ones pad)
     tokens: torch.Tensor | None = None  # [budget / mu, out_dim] merger output, written by the graph
     means: torch.Tensor | None = None  # [max_images, out_dim] float32 per-image mean, written by the graph
+    pooled: torch.Tensor | None = None  # [max_images, out_dim] float32 model embedding (CLIP / SigLIP only)
     meta: VisionMeta | None = None  # geometry tensors produced inside the graph
     captured_ptrs: dict[str, int] = field(default_factory=dict)
 
@@ -44,5 +49,5 @@ class Workspace:
         return {"pixel_values": self.pixel_values.data_ptr(), "frames_hw": self.frames_hw.data_ptr()}
 
     def nbytes(self) -> int:
-        bufs = [self.pixel_values, self.frames_hw, self.tokens, self.means]
+        bufs = [self.pixel_values, self.frames_hw, self.tokens, self.means, self.pooled]
         return sum(b.numel() * b.element_size() for b in bufs if b is not None)

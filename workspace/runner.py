@@ -5,6 +5,12 @@ pool. A batch is split into packs (`BucketTable.pack`); each pack is written int
 `Workspace` and replayed. Packs no bucket fits (an image above the largest budget or above the
 per-image bound) run eagerly through the same body. Without CUDA nothing is captured and every
 pack runs that body eagerly, so CPU tests exercise packing, padding and geometry.
+
+Fixed-resolution towers (CLIP, SigLIP; a tower with `patches_per_image`) run through the same
+runner: every image is L patches, so a bucket is an image count n (budget n * L, max_images n) and
+packing by patch count is packing by image count. Their body computes `cu_seqlens` inside the graph
+from `frames_hw` (real image slots first, the rest empty segments) and also writes each slot's
+model embedding (`Workspace.pooled`).
 """
 
 from __future__ import annotations
@@ -18,12 +24,22 @@ import torch
 
 from encoder.geometry import compute_meta, count_windows, frames_of
 from encoder.qwen import QwenVisionTower
+from encoder.vit import VitTower
 from workspace.buckets import BucketKey, BucketTable, Pack
 from workspace.buffers import Workspace
 
 
 class GraphCaptureError(RuntimeError):
     """The bucket graphs could not be captured (out of memory, unsupported op)."""
+
+
+@dataclass
+class RunOutput:
+    """What one `run_all` returns, per image in input order."""
+
+    tokens: list[torch.Tensor]  # [n_i, dim] each, device, model dtype (CLIP: float32)
+    means: torch.Tensor  # [N, dim] float32
+    pooled: torch.Tensor | None  # [N, out_dim] float32 model embeddings (CLIP / SigLIP), else None
 
 
 @dataclass
@@ -55,7 +71,7 @@ class RunnerStats:
 class GraphRunner:
     def __init__(
         self,
-        tower: QwenVisionTower,
+        tower: QwenVisionTower | VitTower,
         table: BucketTable,
         max_image_patches: int,
         *,
@@ -73,7 +89,14 @@ class GraphRunner:
         self.workspaces: dict[BucketKey, Workspace] = {}
         self.graphs: dict[BucketKey, torch.cuda.CUDAGraph] = {}
         self._lock = threading.Lock()
+        # fixed-resolution towers: patches per image (every bucket is a whole number of images)
+        self.fixed: int | None = getattr(tower, "patches_per_image", None)
         for key in table.keys:
+            if self.fixed is not None and key.budget != key.max_images * self.fixed:
+                raise GraphCaptureError(
+                    f"bucket {key} does not hold whole images of {self.fixed} patches; a fixed-resolution tower "
+                    "needs buckets of n images x patches per image (workspace.graph_encoder.image_count_table)"
+                )
             if key.budget % self.cfg.merge_unit:
                 raise GraphCaptureError(f"bucket budget {key.budget} is not a multiple of {self.cfg.merge_unit}")
         if self.use_graphs:
@@ -85,6 +108,8 @@ class GraphRunner:
         # `bounds` (max_seqlen, window_slots) tightens the static bounds when nothing is captured:
         # same buffers and padding, but attention sized to the batch (the CPU reference attention
         # costs memory quadratic in these bounds)
+        if self.fixed is not None:
+            return self._body_fixed(ws)
         max_seqlen, window_slots = bounds or (ws.max_seqlen, ws.window_slots)
         meta = compute_meta(ws.frames_hw, ws.key.budget, self.cfg, max_seqlen, window_slots)
         tokens = self.tower(ws.pixel_values, meta)  # [budget / mu, out_dim]
@@ -104,6 +129,19 @@ class GraphRunner:
             ws.tokens.copy_(tokens)
             ws.means.copy_(means)
 
+    def _body_fixed(self, ws: Workspace) -> None:
+        # CLIP / SigLIP: segments from the real image slots, computed from data inside the graph
+        cu_seqlens = self.tower.segments(ws.frames_hw)
+        tokens, pooled = self.tower(ws.pixel_values, cu_seqlens)  # [budget, dim], [max_images, out_dim]
+        # per-slot means: padding slots are whole images of stale rows, never mixed with real ones
+        means = tokens.view(ws.key.max_images, self.fixed, -1).float().mean(1)
+        if ws.tokens is None:
+            ws.tokens, ws.means, ws.pooled = tokens, means, pooled
+        else:
+            ws.tokens.copy_(tokens)
+            ws.means.copy_(means)
+            ws.pooled.copy_(pooled)
+
     def _workspace(self, key: BucketKey) -> Workspace:
         ws = self.workspaces.get(key)
         if ws is None:
@@ -122,6 +160,9 @@ class GraphRunner:
         m = self.cfg.spatial_merge_size
         ws.pixel_values.normal_()
         ws.frames_hw.zero_()
+        if self.fixed is not None:  # every image slot real
+            ws.frames_hw.copy_(torch.tensor([self.cfg.grid, self.cfg.grid]).expand_as(ws.frames_hw))
+            return
         rows = max(1, min(ws.key.max_images, -(-ws.key.budget // ws.max_seqlen)))
         per = ws.key.budget // rows // (m * m) * (m * m)
         for i in range(rows):
@@ -142,7 +183,7 @@ class GraphRunner:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 self._body(ws)  # warm-up: kernel JIT, cuBLAS workspaces, first allocations
-                ws.tokens = ws.means = ws.meta = None
+                ws.tokens = ws.means = ws.meta = ws.pooled = None
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -167,6 +208,11 @@ class GraphRunner:
 
     def run(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Tokens per image ([n_i, out_dim] each, device, model dtype) and means [N, out_dim] float32."""
+        out = self.run_all(pixel_values, grid_thw)
+        return out.tokens, out.means
+
+    def run_all(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> RunOutput:
+        """Tokens and means per image, plus the model embeddings of a CLIP / SigLIP tower."""
         grid = grid_thw.tolist()
         counts = [t * h * w for t, h, w in grid]
         starts = [0]
@@ -174,19 +220,24 @@ class GraphRunner:
             starts.append(starts[-1] + c)
         out_tokens: list[torch.Tensor | None] = [None] * len(counts)
         out_means: list[torch.Tensor | None] = [None] * len(counts)
+        out_pooled: list[torch.Tensor | None] = [None] * len(counts)
         with self._lock:
             for pack in self.table.pack(counts):
                 frames_ok = all(grid[i][0] == 1 for i in pack.indices)
                 if self._fits(pack, counts) and frames_ok:
-                    toks, means = self._run_bucket(pack, pixel_values, grid, starts)
+                    toks, means, pooled = self._run_bucket(pack, pixel_values, grid, starts)
                 else:
-                    toks, means = self._run_eager(pack, pixel_values, grid_thw, starts)
+                    toks, means, pooled = self._run_eager(pack, pixel_values, grid_thw, starts)
                 for j, i in enumerate(pack.indices):
                     out_tokens[i], out_means[i] = toks[j], means[j]
+                    if pooled is not None:
+                        out_pooled[i] = pooled[j]
                 self.stats.images += len(pack.indices)
                 self.stats.real_patches += pack.total
                 self.stats.padded_patches += pack.padded if self._fits(pack, counts) and frames_ok else 0
-        return out_tokens, torch.stack(out_means) if out_means else torch.empty(0)
+        means = torch.stack(out_means) if out_means else torch.empty(0)
+        pooled = torch.stack(out_pooled) if self.fixed is not None and out_pooled else None
+        return RunOutput(out_tokens, means, pooled)
 
     def _run_bucket(self, pack: Pack, pixel_values, grid, starts):
         ws = self._workspace(pack.key)
@@ -212,7 +263,8 @@ class GraphRunner:
         n_tok = rows // mu
         tokens = ws.tokens[:n_tok].clone()
         means = ws.means[: len(idx)].clone()
-        return list(torch.split(tokens, [self._tokens(grid[i]) for i in idx])), means
+        pooled = ws.pooled[: len(idx)].clone() if ws.pooled is not None else None
+        return list(torch.split(tokens, [self._tokens(grid[i]) for i in idx])), means, pooled
 
     def _tokens(self, thw) -> int:
         return thw[0] * thw[1] * thw[2] // self.cfg.merge_unit
@@ -222,6 +274,11 @@ class GraphRunner:
         sub_grid = grid_thw[idx]
         g = sub_grid.tolist()
         src = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in idx]).to(self.device)
+        if self.fixed is not None:
+            tokens, pooled = self.tower(src, self.tower.eager_segments(len(idx), self.device))
+            self.stats.eager_runs += 1
+            means = tokens.view(len(idx), self.fixed, -1).float().mean(1)
+            return list(torch.split(tokens, self.fixed)), means, pooled
         meta = compute_meta(
             frames_of(sub_grid).to(self.device),
             src.shape[0],
@@ -232,4 +289,4 @@ class GraphRunner:
         tokens = self.tower(src, meta)
         parts = list(torch.split(tokens, [self._tokens(thw) for thw in g]))
         self.stats.eager_runs += 1
-        return parts, torch.stack([p.float().mean(0) for p in parts])
+        return parts, torch.stack([p.float().mean(0) for p in parts]), None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from encoder.api import POOLINGS
 from encoder.errors import EncoderError
 from workspace.buckets import BucketError
 
@@ -39,7 +40,13 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     p.add_argument("--image-column", default="image", help="binary (encoded images) or string (local paths)")
     p.add_argument("--id-column", default="id", help="column naming rows in the summary (default: id, if present)")
     p.add_argument("--model", default="tiny", help="preset name or local Hugging Face checkpoint directory")
-    p.add_argument("--pooling", default="mean", choices=["mean", "none"], help="mean vector or every token")
+    p.add_argument(
+        "--pooling",
+        default=None,
+        choices=list(POOLINGS),
+        help="model: the model's own embedding (CLIP / SigLIP); mean: mean of the output tokens; none: every "
+        "token; -l2: L2-normalised (default: model for CLIP / SigLIP, mean otherwise)",
+    )
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--attention", default=None, help="attention backend (default: the encoder's)")
     p.add_argument("--buckets", default=None, help="bucket budgets, e.g. 'pow2:256-32768' (default: the service's)")
@@ -53,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         "--part-rows",
         type=_positive,
         default=None,
-        help="rows per output part (default: 10000 for mean, 1000 for none)",
+        help="rows per output part (default: 10000 for one vector per image, 1000 for none)",
     )
     p.add_argument("--decode-batch-size", type=_positive, default=32, help="rows per CPU decode task")
     p.add_argument("--decode-concurrency", type=_positive, default=None, help="max decode tasks at once")

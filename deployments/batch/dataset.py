@@ -3,7 +3,8 @@
 The pipeline has two stages:
 
 1. **decode** (Ray tasks, CPU): each row's image (encoded bytes, or a local file path) is decoded,
-   checked and resized to the model's size with `encoder.preprocess` (`load_image`, `resize_image`).
+   checked and resized to the model's size with `encoder.preprocess` (`load_image`, then
+   `resize_image`, or the CLIP / SigLIP resize and crop through `encoder.preprocess_vit`).
    The stage ships compact uint8 pixels (a quarter of the bytes of float32 patches) plus the
    patch count; a bad image becomes an `error` string on its row, never an exception.
 2. **encode** (`EncoderActor`, an actor pool; one GPU per actor where GPUs exist): the actor builds
@@ -32,13 +33,16 @@ import pyarrow as pa
 import torch
 
 import encoder
-from encoder.checkpoint import load_config, read_json
-from encoder.config import preset
+from encoder.api import POOLINGS, is_fixed_resolution, vector_pooling
+from encoder.api import preprocess_config_for as model_preprocess_config
+from encoder.checkpoint import load_config
+from encoder.config import VisionConfig, preset
 from encoder.errors import InvalidArgumentError
 from encoder.patch_batch import PatchBatch
-from encoder.preprocess import PreprocessConfig, load_image, num_patches, patchify, resize_image
+from encoder.preprocess import PreprocessConfig, load_image, patchify
+from encoder.preprocess_vit import num_patches_for, resize_image_for
 from workspace.buckets import BucketKey, BucketTable, default_table
-from workspace.graph_encoder import GraphEncoder
+from workspace.graph_encoder import GraphEncoder, fixed_table
 
 # Internal columns between the stages; never in the output.
 PIXELS = "_ve_pixels"  # large_binary: uint8 H*W*3, row-major RGB, at the model's size
@@ -55,8 +59,6 @@ GRID_H = "grid_h"
 GRID_W = "grid_w"
 OUTPUT_COLUMNS = (EMBEDDING, ERROR, NUM_TOKENS, GRID_H, GRID_W)
 
-POOLINGS = ("mean", "none")
-
 # Without CUDA nothing is captured and every pack runs eagerly, padded to its bucket; the reference
 # attention's cost grows with the square of the bucket budget, so small buckets are much faster on a
 # CPU (300 small images: 8 s with these, 127 s with the default 256..32768 table).
@@ -66,20 +68,28 @@ CPU_BUCKETS = "256,512"
 # ------------------------------------------------------------------------------------- configuration
 
 
-def preprocess_config_for(model: str) -> PreprocessConfig:
-    """The preprocessing `encoder.load(model)` uses, without building the model (cheap, driver side)."""
+def config_for(model: str) -> VisionConfig:
+    """The tower config of a preset name or checkpoint directory (no weights read)."""
     path = Path(model)
-    if path.is_dir():
-        config = load_config(path)
-        if (path / "preprocessor_config.json").exists():
-            return PreprocessConfig.from_hf_dict(read_json(path / "preprocessor_config.json"))
-    else:
-        config = preset(model)
-    return PreprocessConfig(
-        patch_size=config.patch_size,
-        temporal_patch_size=config.temporal_patch_size,
-        merge_size=config.spatial_merge_size,
-    )
+    return load_config(path) if path.is_dir() else preset(model)
+
+
+def preprocess_config_for(model: str) -> PreprocessConfig:
+    """The preprocessing `encoder.load(model)` uses, without building the model (cheap, driver side).
+
+    A `VitPreprocessConfig` for CLIP / SigLIP models (same attributes where the pipeline reads them)."""
+    path = Path(model)
+    return model_preprocess_config(config_for(model), path if path.is_dir() else None)
+
+
+def resolve_pooling(pooling: str | None, model: str) -> str:
+    """`pooling`, checked; None: the model's default embedding ("model" for CLIP / SigLIP, else "mean")."""
+    config = config_for(model)
+    if pooling is None:
+        return vector_pooling(config)
+    if pooling not in POOLINGS:
+        raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+    return encoder.api.resolve_pooling(pooling, config)
 
 
 def effective_buckets(buckets: Any, gpus: int) -> Any:
@@ -93,10 +103,12 @@ def bucket_table_for(model: str, buckets: Any = None) -> BucketTable:
         return buckets
     if _is_key_list(buckets):
         return BucketTable([BucketKey(b, m) for b, m in buckets])
-    pp = preprocess_config_for(model)
+    config = config_for(model)
+    if is_fixed_resolution(config):
+        return fixed_table(config.num_patches, buckets)
     if buckets is None:
         return default_table()
-    merge_unit = pp.merge_size**2
+    merge_unit = config.merge_unit
     return BucketTable.parse(buckets, granule=merge_unit)
 
 
@@ -199,7 +211,7 @@ def decode_batch(table: pa.Table, *, image_column: str, pp: PreprocessConfig, pa
     heights, widths, patches, errors = [], [], [], []
     for value in values:
         try:
-            array = resize_image(load_image(_image_bytes(value, kind, path_root), pp), pp)
+            array = resize_image_for(load_image(_image_bytes(value, kind, path_root), pp), pp)
         except Exception as exc:  # a bad row must never fail the job (Pillow raises many types)
             pixels.append(None)
             heights.append(0)
@@ -228,7 +240,7 @@ def header_patches(value: Any, kind: str, pp: PreprocessConfig, path_root: str |
     try:
         with Image.open(io.BytesIO(_image_bytes(value, kind, path_root))) as img:
             width, height = img.size
-        return num_patches(height, width, pp)
+        return num_patches_for(height, width, pp)
     except Exception:
         return None
 
@@ -311,16 +323,14 @@ class EncoderActor:
     def __init__(
         self,
         model: str = "tiny",
-        pooling: str = "mean",
+        pooling: str | None = "mean",
         buckets: Any = None,
         dtype: str | None = None,
         attention: str | None = None,
         preprocess_config: PreprocessConfig | None = None,
     ):
-        if pooling not in POOLINGS:
-            raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
         start = time.perf_counter()
-        self.pooling = pooling
+        self.pooling = resolve_pooling(pooling, model)
         self.vision = encoder.load(model, dtype=dtype, attention=attention)
         if preprocess_config is not None and preprocess_config != self.vision.preprocess_config:
             raise InvalidArgumentError("the decode stage's preprocessing differs from the model's (driver/actor drift)")
@@ -329,7 +339,7 @@ class EncoderActor:
             buckets = BucketTable([BucketKey(b, m) for b, m in buckets])
         self.engine = GraphEncoder(self.vision, buckets)
         self.device = self.vision.device
-        self.dim = self.vision.out_dim
+        self.dim = self.vision.output_dim(self.pooling)
         stats = self.engine.stats()
         print(
             f"[deployments.batch] encoder {self.vision.name} on {self.device} ({self.vision.dtype}): "
@@ -405,7 +415,7 @@ class EncoderActor:
         n = table.num_rows
         valid = np.array([i in results for i in range(n)], dtype=bool)
         out = table.drop_columns([c for c in (*INTERNAL, ERROR) if c in table.column_names])
-        if self.pooling == "mean":
+        if self.pooling != "none":
             values = np.zeros((n, self.dim), dtype=np.float32)
             for i, vec in results.items():
                 values[i] = vec.numpy()
@@ -432,7 +442,7 @@ def output_schema(input_schema: pa.Schema, image_column: str, pooling: str, dim:
     """The schema `embed_dataset` produces for an input schema (documented layout)."""
     fields = [f for f in input_schema if f.name != image_column]
     vector = pa.list_(pa.float32(), dim)
-    if pooling == "mean":
+    if pooling != "none":
         fields.append(pa.field(EMBEDDING, vector))
     else:
         fields += [
@@ -452,7 +462,7 @@ def embed_dataset(
     *,
     model: str = "tiny",
     image_column: str = "image",
-    pooling: str = "mean",
+    pooling: str | None = "mean",
     batch_size: int | None = None,
     typical_patches: int | None = None,
     num_gpus: int | None = None,
@@ -469,7 +479,9 @@ def embed_dataset(
     """Embed the images of `ds[image_column]`; returns a lazy `ray.data.Dataset`.
 
     Output rows: every input column except the image column, then `embedding` and `error`:
-      * pooling="mean": `embedding` is `fixed_size_list<float32>[out_dim]` (null for error rows);
+      * pooling="mean" (or "model", "mean-l2", "model-l2"; None = the model's default: "model" for
+        CLIP / SigLIP, "mean" otherwise; see `encoder.api`): `embedding` is
+        `fixed_size_list<float32>[dim]` (null for error rows);
       * pooling="none": `embedding` is `list<fixed_size_list<float32>[out_dim]>`, one vector per
         output token in the merger's order (row-major over the `grid_h` x `grid_w` token grid), plus
         `num_tokens`, `grid_h`, `grid_w` (int32, 0 for error rows);
@@ -488,8 +500,7 @@ def embed_dataset(
     """
     import ray.data
 
-    if pooling not in POOLINGS:
-        raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+    pooling = resolve_pooling(pooling, model)
     if decode_batch_size < 1:
         raise InvalidArgumentError(f"decode_batch_size must be >= 1, got {decode_batch_size}")
     pp = preprocess_config_for(model)  # also validates the model name / directory up front

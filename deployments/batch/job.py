@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ from .dataset import (
     gpus_in_cluster,
     image_column_kind,
     preprocess_config_for,
+    resolve_pooling,
     rows_per_batch,
     typical_patches_of,
 )
@@ -68,7 +69,7 @@ class JobConfig:
     image_column: str = "image"
     id_column: str | None = "id"
     model: str = "tiny"
-    pooling: str = "mean"
+    pooling: str | None = "mean"  # None: the model's default embedding ("model" for CLIP / SigLIP)
     dtype: str | None = None
     attention: str | None = None
     buckets: str | None = None
@@ -361,7 +362,7 @@ def _resolve_part_rows(cfg: JobConfig) -> int:
         if cfg.part_rows < 1:
             raise JobError(f"part_rows must be >= 1, got {cfg.part_rows}")
         return cfg.part_rows
-    return 10_000 if cfg.pooling == "mean" else 1_000
+    return 1_000 if cfg.pooling == "none" else 10_000
 
 
 def _sample_typical_patches(cfg: JobConfig, files: list[InputFile], part: Part, size: int = 32) -> int:
@@ -381,9 +382,11 @@ def _sample_typical_patches(cfg: JobConfig, files: list[InputFile], part: Part, 
 
 def run_job(cfg: JobConfig) -> JobSummary:
     """Run (or resume) a batch job; returns its summary (also printed)."""
-    if cfg.pooling not in ("mean", "none"):
-        raise JobError(f"unknown pooling {cfg.pooling!r}; expected mean or none")
-    preprocess_config_for(cfg.model)  # a bad model name fails here, before anything starts
+    try:  # a bad model name or pooling fails here, before anything starts
+        cfg = replace(cfg, pooling=resolve_pooling(cfg.pooling, cfg.model))
+    except InvalidArgumentError as exc:
+        raise JobError(str(exc)) from None
+    preprocess_config_for(cfg.model)
     out = Path(cfg.output).expanduser().resolve()
     paths = [p for p in discover(cfg.input) if out not in p.parents]  # never our own parts as input
     if not paths:

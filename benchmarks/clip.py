@@ -1,0 +1,190 @@
+"""CLIP / SigLIP benchmark (one GPU run): HF transformers eager vs our eager vs our CUDA-graph replay.
+
+Default: CLIP ViT-L/14 at 224 px (`clip-vit-l-14`, random weights) in bf16, 1-image latency and
+256-image throughput. Inputs are pixel tensors already on the GPU (no decoding or resizing, for HF
+either); float32 matmuls stay full precision (TF32 off), as in the service. HF's
+`CLIPVisionModelWithProjection` (or `SiglipVisionModel` for a SigLIP preset) runs eagerly with SDPA
+attention and holds the same weights, so the run also reports how far its image embeddings are from
+ours (both bf16). Prints a markdown table; `--json` writes the rows.
+
+    python benchmarks/clip.py [--model clip-vit-l-14] [--images 1,256] [--backends triton,torch_varlen]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import encoder  # noqa: E402
+import workspace  # noqa: E402
+from encoder.attention import available_backends, default_backend_name, get_backend  # noqa: E402
+from encoder.config import ClipVisionConfig  # noqa: E402
+
+
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds per call, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / timed(lambda: a @ b, 10) / 1e9  # TFLOP/s
+
+
+def flops_per_image(cfg) -> float:
+    """Matmul work of one image: the blocks' GEMMs and attention, the patch embedding, the pooling."""
+    d, f, t = cfg.width, cfg.mlp_dim, cfg.seq_len
+    blocks = cfg.depth * (2 * t * (4 * d * d + 2 * d * f) + 4 * t * t * d)
+    embed = 2 * cfg.num_patches * cfg.patch_dim * d
+    pool = 2 * d * cfg.out_dim if isinstance(cfg, ClipVisionConfig) else 2 * t * 2 * d * d + 2 * (2 * d * d + 2 * d * f)
+    return blocks + embed + pool
+
+
+def hf_model(enc, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """HF's vision model with our (random) weights, SDPA attention."""
+    import transformers as tf
+
+    cfg = enc.config
+    common = dict(hidden_size=cfg.width, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.depth,
+                  num_attention_heads=cfg.num_heads, image_size=cfg.image_size, patch_size=cfg.patch_size,
+                  hidden_act=cfg.hidden_act, layer_norm_eps=cfg.layer_norm_eps)  # fmt: skip
+    if isinstance(cfg, ClipVisionConfig):
+        hf_cfg = tf.CLIPVisionConfig(**common, projection_dim=cfg.projection_dim)
+        cls = tf.CLIPVisionModelWithProjection
+    else:
+        hf_cfg = tf.SiglipVisionConfig(**common)
+        cls = tf.SiglipVisionModel
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = cls(hf_cfg).to(dtype).eval()
+    target = model.state_dict()
+    state = {}
+    for name, value in enc.model.state_dict().items():
+        key = name if name in target else f"vision_model.{name}"
+        state[key] = value.view(target[key].shape)  # the patch embedding: linear -> Conv2d
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("position_ids" in k for k in missing), (missing, unexpected)
+    return model
+
+
+def hf_embeds(model, pixels: torch.Tensor) -> torch.Tensor:
+    out = model(pixel_values=pixels)
+    return out.image_embeds if hasattr(out, "image_embeds") else out.pooler_output
+
+
+def to_patches(pixels: torch.Tensor, cfg) -> torch.Tensor:
+    """[N, 3, S, S] -> our packed float32 patches [N * L, 3*P*P] (whole patches only)."""
+    n, p, g = pixels.shape[0], cfg.patch_size, cfg.grid
+    x = pixels[:, :, : g * p, : g * p].float().reshape(n, 3, g, p, g, p)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(n * g * g, 3 * p * p).contiguous()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="clip-vit-l-14", help="a CLIP / SigLIP preset")
+    parser.add_argument("--images", default="1,256", help="comma list of batch sizes (images per call)")
+    parser.add_argument("--backends", default=None, help="comma list (default: the CUDA default backend)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/clip.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    peak = matmul_peak()
+    base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
+    cfg = base.config
+    per_image = flops_per_image(cfg)
+    sizes = [int(x) for x in args.images.split(",")]
+    names = args.backends.split(",") if args.backends else [default_backend_name("cuda")]
+    usable = available_backends()
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pixels = {n: torch.randn(n, 3, cfg.image_size, cfg.image_size, device="cuda", generator=gen) for n in sizes}
+    hf_pixels = {n: x.bfloat16() for n, x in pixels.items()}
+    batches = {
+        n: encoder.PatchBatch(to_patches(pixels[n], cfg), torch.tensor([[1, cfg.grid, cfg.grid]] * n)) for n in sizes
+    }
+
+    def record(impl: str, n: int, ms: float, extra: dict | None = None) -> None:
+        rows.append(dict(impl=impl, images=n, ms=ms, img_s=n / ms * 1e3, mfu=per_image * n / ms / 1e9 / peak,
+                         **(extra or {})))  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+
+    reference = None
+    if not args.no_hf:
+        hf = hf_model(base)
+        with torch.inference_mode():
+            reference = hf_embeds(hf, hf_pixels[sizes[0]]).float()
+            for n in sizes:
+                ms = timed(lambda n=n: hf_embeds(hf, hf_pixels[n]), max(3, args.iters // 4))
+                record("HF transformers eager (sdpa)", n, ms)
+        del hf
+        torch.cuda.empty_cache()
+
+    def ours(name: str) -> None:
+        enc = copy.copy(base)
+        enc.model = copy.deepcopy(base.model)
+        enc.model.set_backend(get_backend(name))
+        for n in sizes:
+            record(f"ours eager ({name})", n, timed(lambda n=n: enc.forward_fixed(batches[n]), args.iters))
+        t0 = time.perf_counter()
+        graph = workspace.GraphEncoder(enc)  # 1, 2, 4, ..., 256 images; fuses q/k/v, pads the MLP
+        setup = time.perf_counter() - t0
+        stats = graph.stats()
+        extra = {"capture_s": round(stats["capture_seconds"], 2), "setup_s": round(setup, 2),
+                 "capture_gib": round(stats["capture_bytes"] / 2**30, 2), "buckets": len(graph.table)}  # fmt: skip
+        for n in sizes:
+            b = batches[n]
+            run = lambda b=b: graph.runner.run_all(b.pixel_values, b.grid_thw)  # noqa: E731
+            record(f"ours graph ({name})", n, timed(run, args.iters), extra)
+            run = lambda b=b: graph.encode(b, "model")  # noqa: E731
+            record(f"ours graph + host copy, model ({name})", n, timed(run, args.iters))
+        if reference is not None:
+            got = torch.stack(graph.encode(batches[sizes[0]], "model"))
+            want = reference.cpu().double()
+            err = ((got.double() - want).norm() / want.norm()).item()
+            print(f"image embeddings, ours (graph, {name}) vs HF, both bf16: relative error {err:.2e}", flush=True)
+            rows[-1]["rel_err_vs_hf"] = err
+
+    for name in names:
+        if usable.get(name, "unknown backend") is not None:
+            print(f"skipping backend {name}: {usable.get(name, 'unknown backend')}", file=sys.stderr)
+            continue
+        ours(name)
+        torch.cuda.empty_cache()
+
+    print(f"\n{args.model}, bf16, {torch.cuda.get_device_name()}; bf16 matmul peak measured: {peak:.0f} TFLOP/s; "
+          f"{per_image / 1e9:.1f} GFLOP per image\n")  # fmt: skip
+    print("| implementation | images | ms | images/s | MFU |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['impl']} | {r['images']} | {r['ms']:.2f} | {r['img_s']:.0f} | {r['mfu'] * 100:.1f}% |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "peak_tflops": peak, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
