@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from .config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from .ingress import VisionIngress
@@ -33,14 +33,26 @@ def build_app(args: dict | AppArgs | None = None):
         name=ENCODER_NAME,
         num_replicas=a.num_replicas,
         max_ongoing_requests=a.max_ongoing_requests,
+        max_queued_requests=a.max_queued_requests,
         ray_actor_options={"num_cpus": a.num_cpus, "num_gpus": gpus},
         request_router_config=RequestRouterConfig(request_routing_stats_period_s=a.routing_stats_period_s, **router),
+        health_check_period_s=a.health_check_period_s,
+        health_check_timeout_s=a.health_check_timeout_s,
+        graceful_shutdown_wait_loop_s=a.graceful_shutdown_wait_loop_s,
+        graceful_shutdown_timeout_s=a.graceful_shutdown_timeout_s,
     )
+    # The ingress admits `inflight_limit` requests and answers the rest 429 itself (OpenAI error body,
+    # Retry-After); requests beyond its max_ongoing_requests queue at the proxy, and beyond
+    # ingress_max_queued_requests the proxy answers 503 with Retry-After.
     ingress = VisionIngress.options(
         name=INGRESS_NAME,
         num_replicas=a.ingress_replicas,
         max_ongoing_requests=a.ingress_max_ongoing_requests,
+        max_queued_requests=a.ingress_max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=a.retry_after_s),
         ray_actor_options={"num_cpus": a.ingress_num_cpus},
+        graceful_shutdown_wait_loop_s=a.graceful_shutdown_wait_loop_s,
+        graceful_shutdown_timeout_s=a.graceful_shutdown_timeout_s,
     )
     logger.info(
         "vision app: model=%s, %d encoder replica(s) x %g GPU / %g CPU, %d ingress replica(s), router=%s",

@@ -23,6 +23,9 @@ CPU_BUCKET_MAX_IMAGES = 1
 # ... and batches of a few small images (the engine still replays one bucket per image).
 CPU_MAX_BATCH_PATCHES = 8192
 CPU_MAX_BATCH_SIZE = 32
+# Pillow formats the ingress decodes by default (encoder.preprocess.DEFAULT_FORMATS; not imported: torch).
+DEFAULT_IMAGE_FORMATS = ("BMP", "GIF", "JPEG", "PNG", "TIFF", "WEBP")
+API_KEY_ENV = "VISION_API_KEY"
 
 
 class AppArgs(BaseModel):
@@ -103,6 +106,79 @@ class AppArgs(BaseModel):
     decode_threads: int = Field(4, gt=0, description="Threads per ingress decoding and resizing images.")
     max_request_images: int = Field(256, gt=0, description="Images one HTTP request may carry (else 413).")
 
+    # -- limits (README "Limits, errors and security"; every one answers 413 / 415, never a 5xx) -----------
+    max_request_bytes: int = Field(
+        64 * 2**20, gt=0, description="HTTP request body bytes (Content-Length or counted while reading; else 413)."
+    )
+    max_image_bytes: int = Field(20 * 2**20, gt=0, description="Encoded bytes of one image (else 413).")
+    max_image_pixels: int = Field(
+        50_000_000,
+        gt=0,
+        description="Decoded width*height of one image, read from the file header before decoding (else 413); "
+        "also Pillow's decompression-bomb limit in the ingress.",
+    )
+    max_request_patches: int = Field(
+        262_144, gt=0, description="Patches of all images of one request (from the headers, before decoding)."
+    )
+    image_formats: tuple[str, ...] = Field(
+        DEFAULT_IMAGE_FORMATS,
+        description="Pillow formats accepted for encoded images (else 415); a list or 'PNG,JPEG,...'.",
+    )
+
+    # -- backpressure, timeouts, retries -----------------------------------------------------------------
+    max_queued_requests: int = Field(
+        1024, ge=-1, description="Encoder requests queued at each caller (ingress replica) before 503; -1 = no limit."
+    )
+    ingress_max_queued_requests: int = Field(
+        1024, ge=-1, description="HTTP requests queued at each proxy for the ingress before 503; -1 = no limit."
+    )
+    ingress_max_inflight_requests: int | None = Field(
+        None,
+        gt=0,
+        description="Requests one ingress replica works on at once; more are answered 429 at once. Default: 3/4 "
+        "of ingress_max_ongoing_requests (384), so that the excess reaches the ingress and is rejected fast.",
+    )
+    retry_after_s: float = Field(1.0, ge=0, description="Retry-After (seconds, rounded up) of 429 / 503 answers.")
+    request_timeout_s: float = Field(
+        60.0, gt=0, description="Per request, body read to response; past it 504 (408 if the body was still coming)."
+    )
+    encoder_retries: int = Field(
+        3, ge=0, description="Retries of an encoder call whose replica died or is unavailable (encoding is idempotent)."
+    )
+    encoder_retry_backoff_s: float = Field(
+        0.05, ge=0, description="First retry delay; doubles per retry (with jitter), capped at 2 s."
+    )
+
+    # -- health and shutdown --------------------------------------------------------------------------------
+    health_check_period_s: float = Field(
+        10.0, gt=0, description="Encoder replica health checks (a tiny real encode through the graph path)."
+    )
+    health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
+    graceful_shutdown_wait_loop_s: float = Field(
+        0.5, gt=0, description="How often a stopping replica checks whether its requests have finished."
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        70.0, ge=0, description="Time a stopping replica has to finish its requests (> request_timeout_s); then killed."
+    )
+    enable_fault_injection: bool = Field(
+        False, description="Tests only: EncoderReplica.inject_fault (hold batches, fail health checks)."
+    )
+
+    # -- security --------------------------------------------------------------------------------------------
+    api_key: str | None = Field(
+        None,
+        repr=False,
+        description=f"Bearer key required on /v1/* (401 without it); default: the {API_KEY_ENV} environment "
+        "variable of the ingress replica; unset = no key.",
+    )
+    url_allowlist: tuple[str, ...] = Field(
+        (),
+        description="Hosts ('host', 'host:port' or '*.domain') whose image URLs the ingress fetches; empty = no URL "
+        "is fetched (http/https inputs are answered 400).",
+    )
+    url_schemes: tuple[str, ...] = Field(("https",), description="URL schemes fetched for allowlisted hosts.")
+    url_fetch_timeout_s: float = Field(10.0, gt=0, description="Time limit of one image URL fetch.")
+
     @field_validator("buckets")
     @classmethod
     def _parse_buckets(cls, v: str | None) -> str | None:
@@ -111,6 +187,51 @@ class AppArgs(BaseModel):
                 BucketTable.parse(v)
             except BucketError as e:
                 raise ValueError(str(e)) from e
+        return v
+
+    @field_validator("image_formats", "url_allowlist", "url_schemes", mode="before")
+    @classmethod
+    def _comma_lists(cls, v):
+        if isinstance(v, str):
+            return tuple(x.strip() for x in v.split(",") if x.strip())
+        return v
+
+    @field_validator("image_formats")
+    @classmethod
+    def _known_formats(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from PIL import Image
+
+        Image.init()
+        v = tuple(sorted({f.upper() for f in v}))
+        unknown = [f for f in v if f not in Image.OPEN]
+        if not v or unknown:
+            raise ValueError(f"image_formats must be non-empty Pillow format names; unknown: {unknown}")
+        return v
+
+    @field_validator("url_allowlist")
+    @classmethod
+    def _hosts(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for entry in v:
+            entry = entry.strip().lower()
+            if not entry or "/" in entry or "@" in entry or entry in ("*", "*."):
+                raise ValueError(f"url_allowlist entries are 'host', 'host:port' or '*.domain', got {entry!r}")
+            out.append(entry)
+        return tuple(out)
+
+    @field_validator("url_schemes")
+    @classmethod
+    def _schemes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        v = tuple(s.lower() for s in v)
+        if not set(v) <= {"http", "https"}:
+            raise ValueError(f"url_schemes may hold 'http' and 'https' only, got {v}")
+        return v
+
+    @field_validator("max_queued_requests", "ingress_max_queued_requests")
+    @classmethod
+    def _queue_limit(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("a queue limit is -1 (no limit) or positive")
         return v
 
     @field_validator("request_router_class", mode="before")
@@ -123,6 +244,13 @@ class AppArgs(BaseModel):
         if self.request_router_kwargs and not self.request_router_class:
             raise ValueError("request_router_kwargs given without request_router_class")
         return self
+
+    @property
+    def inflight_limit(self) -> int:
+        """Requests one ingress replica works on at once (`ingress_max_inflight_requests` or its default)."""
+        if self.ingress_max_inflight_requests is not None:
+            return self.ingress_max_inflight_requests
+        return max(1, self.ingress_max_ongoing_requests * 3 // 4)
 
     @property
     def model_name(self) -> str:

@@ -1,32 +1,56 @@
 """The ingress (CPU): OpenAI-compatible HTTP API and the Python handle API.
 
-Per request: validate (pydantic), decode base64 / data URLs, decode and resize each image to uint8 at
-its smart_resize size in a thread pool (`load_image` + `resize_image`), count patches, and send the
-compact uint8 arrays to an encoder replica with `encode_pixels(pixels, pooling=..., num_patches=n)`.
-Optionally (`ingress_batch_size` > 1) calls arriving within `ingress_batch_wait_timeout_s` are merged
-into one encoder request, so many one-image clients cost the encoder replica one Serve request.
-The request schema, decoding and error mapping are in `deployments.openai_api`.
+Per HTTP request: API key (401), admission (429 at once when this replica has `inflight_limit` requests
+in flight), Content-Type (415) and body size (413), JSON and schema (400 / 422), then per image in a
+thread pool: base64 / data URL (400), encoded size, format and pixels from the header (413 / 415), the
+request's patch total (413) before anything is decoded, decode and resize to uint8 at the smart_resize
+size (`load_image` + `resize_image`), and the compact uint8 arrays go to an encoder replica with
+`encode_pixels(pixels, pooling=..., num_patches=n)`, retried (bounded, with backoff) when the replica
+died or is unavailable, under the request's time limit (504). Optionally (`ingress_batch_size` > 1)
+calls arriving within `ingress_batch_wait_timeout_s` are merged into one encoder request, so many
+one-image clients cost the encoder replica one Serve request.
+The request schema, decoding and error mapping are in `deployments.openai_api`; limits, admission and
+retries in `deployments.limits`; the API key and URL policy in `deployments.security`.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the request model class itself in the
 # route signatures of the Serve ingress class.
 import asyncio
+import contextvars
+import dataclasses
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from encoder.api import check_pooling
 from encoder.errors import EncoderError
 from encoder.preprocess import PreprocessConfig
+from encoder.preprocess_vit import preprocess_config_from_dump
 
 from .config import ENCODER_NAME, AppArgs
+from .limits import (
+    Admission,
+    Opened,
+    call_with_retries,
+    check_content_type,
+    check_request_patches,
+    finish_input,
+    harden_pillow,
+    ingress_preprocess_config,
+    open_input,
+    read_body,
+    rss_bytes,
+)
 from .metrics import IngressMetrics
 from .openai_api import (
     EmbeddingRequest,
@@ -34,10 +58,13 @@ from .openai_api import (
     api,
     classify,
     embeddings_body,
-    prepare_image,
+    error_response,
+    is_url,
+    parse_embedding_request,
     root_cause,
     with_index,
 )
+from .security import ApiKeyAuth, UrlFetcher
 
 logger = logging.getLogger("ray.serve")
 
@@ -70,6 +97,45 @@ class Call:
     pooling: str
 
 
+def remote_call(method, *args, **kwargs):
+    """`method.remote(*args, **kwargs)` as a request of its own (a fresh internal request id).
+
+    Serve gives every handle call made while serving a request that request's internal id, and a
+    request router that does not fulfil pending requests in FIFO order (the BucketRouter) matches the
+    replica it found to the pending request by that id: two concurrent encoder calls of one ingress
+    request (a split request, a merged batch of several HTTP requests) share it, one gets both
+    assignments and the other waits forever. A copied context with a new id keeps them apart.
+    """
+    from ray.serve import context as serve_context
+
+    def call():
+        current = serve_context._get_serve_request_context()
+        own = dataclasses.replace(current, _internal_request_id=str(uuid.uuid4()))
+        serve_context._serve_request_context.set(own)
+        return method.remote(*args, **kwargs)
+
+    return contextvars.copy_context().run(call)
+
+
+def _outcome(status: int) -> str:
+    """Metrics outcome of an HTTP status."""
+    if status < 400:
+        return "ok"
+    if status in (429, 503):
+        return "overloaded"
+    if status in (408, 504):
+        return "timeout"
+    return "client_error" if status < 500 else "server_error"
+
+
+_ANSWER_COUNTS = {
+    "client_error": "client_errors",
+    "overloaded": "rejected",
+    "timeout": "timed_out",
+    "server_error": "server_errors",
+}
+
+
 def chunk(counts: list[int], max_patches: int, max_images: int) -> list[tuple[int, int]]:
     """[start, end) ranges of consecutive images, each within the encoder's batch limits."""
     ranges, start, total = [], 0, 0
@@ -81,6 +147,16 @@ def chunk(counts: list[int], max_patches: int, max_images: int) -> list[tuple[in
     if counts:
         ranges.append((start, len(counts)))
     return ranges
+
+
+_OPENAPI_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": EmbeddingRequest.model_json_schema(ref_template="#/$defs/{model}")}},
+    }
+}
+# Bodies above this are parsed off the event loop.
+_PARSE_INLINE_BYTES = 256 * 1024
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
@@ -98,7 +174,20 @@ class VisionIngress:
         self._health: tuple[float, bool, str] = (0.0, False, "")
         self._created = int(time.time())
         self.metrics = IngressMetrics()
-        self._counts = {"merged_calls": 0, "merged_batches": 0, "encoder_requests": 0}
+        self._counts = {
+            "merged_calls": 0,
+            "merged_batches": 0,
+            "encoder_requests": 0,
+            "encoder_retries": 0,
+            "rejected_overload": 0,
+            "encoder_backpressure": 0,
+            # HTTP error answers: 4xx (but 408/429), 429/503, 408/504, other 5xx
+            **dict.fromkeys(_ANSWER_COUNTS.values(), 0),
+        }
+        harden_pillow(a.max_image_pixels)
+        self._auth = ApiKeyAuth.from_args(a)
+        self._urls = UrlFetcher.from_args(a)
+        self._admission = Admission(a.inflight_limit)
         self._merge = None
         if a.ingress_batch_size > 1:
             self._merge = serve.batch(
@@ -107,31 +196,99 @@ class VisionIngress:
                 max_concurrent_batches=a.ingress_max_concurrent_batches,
                 batch_size_fn=lambda calls: sum(len(c.arrays) for c in calls),
             )(self._run_merged)
+        logger.info(
+            "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request",
+            "required" if self._auth.enabled else "off",
+            f"from {', '.join(a.url_allowlist)}" if self._urls.enabled else "off",
+            a.inflight_limit, a.request_timeout_s,
+        )  # fmt: skip
 
     # -- facts from the encoder replicas ------------------------------------------------------------------
     async def info(self) -> dict:
-        """The encoder's `describe()` (model, out_dim, preprocessing, batch limits), fetched once."""
+        """The encoder's `describe()` (model, out_dim, preprocessing, batch limits), fetched once; its
+        `preprocess_config` carries this application's decode limits (pixels, formats)."""
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    info = await self._encoder.describe.remote()
-                    info["preprocess_config"] = PreprocessConfig.model_validate(info["preprocess"])
+                    info = await self._retrying(lambda: remote_call(self._encoder.describe))
+                    model_pp = preprocess_config_from_dump(info["preprocess"])
+                    info["preprocess_config"] = ingress_preprocess_config(
+                        model_pp, self.args.max_image_pixels, self.args.image_formats
+                    )
                     self._info = info
         return self._info
 
-    # -- the shared path ------------------------------------------------------------------------------------
-    async def _prepare(self, images: list, pp: PreprocessConfig, label: str) -> list[np.ndarray]:
-        loop = asyncio.get_running_loop()
+    async def _retrying(self, make_call):
+        def retried(error: BaseException, attempt: int) -> None:
+            self._counts["encoder_retries"] += 1
+            self.metrics.retries.inc()
+            logger.warning("encoder call failed (%s: %s); retry %d", type(error).__name__, error, attempt)
 
-        def one(i: int, x: Any) -> np.ndarray:
+        try:
+            return await call_with_retries(
+                make_call, self.args.encoder_retries, self.args.encoder_retry_backoff_s, retried
+            )
+        except BackPressureError:
+            self._counts["encoder_backpressure"] += 1
+            raise
+
+    # -- the shared path ------------------------------------------------------------------------------------
+    async def _fetch_urls(self, images: list, label: str) -> list:
+        """Allowlisted image URLs -> their bytes (concurrently); other inputs unchanged. Without an allowlist
+        URLs stay strings and are refused (400) when parsed."""
+        if not self._urls.enabled:
+            return images
+        where = [i for i, x in enumerate(images) if isinstance(x, str) and is_url(x)]
+        if not where:
+            return images
+
+        async def one(i: int) -> bytes:
             try:
-                return prepare_image(x, pp)
+                data, media = await self._urls.fetch(images[i])
+            except EncoderError as e:
+                raise with_index(e, f"{label}[{i}]") from None
+            return data
+
+        fetched = await asyncio.gather(*(one(i) for i in where))
+        images = list(images)
+        for i, data in zip(where, fetched, strict=True):
+            images[i] = data
+        return images
+
+    async def _prepare(
+        self, images: list, pp: PreprocessConfig, label: str, max_patches: int | None = None
+    ) -> list[np.ndarray]:
+        """Header checks of every image, the request's patch total, then decode + resize (thread pool)."""
+        images = await self._fetch_urls(images, label)
+        loop = asyncio.get_running_loop()
+        max_bytes = self.args.max_image_bytes
+
+        def opened(i: int, x: Any) -> Opened:
+            try:
+                return open_input(x, pp, max_bytes)
             except EncoderError as e:
                 raise with_index(e, f"{label}[{i}]") from None
 
+        def finished(i: int, o: Opened) -> np.ndarray:
+            try:
+                return finish_input(o, pp)
+            except EncoderError as e:
+                raise with_index(e, f"{label}[{i}]") from None
+
+        def whole(x: Any) -> np.ndarray:  # one image: one trip to the pool
+            o = opened(0, x)
+            if max_patches is not None:
+                check_request_patches(o.patches, max_patches)
+            return finished(0, o)
+
         if len(images) == 1:
-            return [await loop.run_in_executor(self._pool, one, 0, images[0])]
-        return list(await asyncio.gather(*(loop.run_in_executor(self._pool, one, i, x) for i, x in enumerate(images))))
+            return [await loop.run_in_executor(self._pool, whole, images[0])]
+        headers = await asyncio.gather(*(loop.run_in_executor(self._pool, opened, i, x) for i, x in enumerate(images)))
+        if max_patches is not None:
+            check_request_patches(sum(o.patches for o in headers), max_patches)
+        return list(
+            await asyncio.gather(*(loop.run_in_executor(self._pool, finished, i, o) for i, o in enumerate(headers)))
+        )
 
     async def _encode(self, arrays: list[np.ndarray], pooling: str) -> tuple[list[np.ndarray], int]:
         info = await self.info()
@@ -145,14 +302,17 @@ class VisionIngress:
     async def _send(self, arrays: list[np.ndarray], counts: list[int], pooling: str) -> list[np.ndarray]:
         info = await self.info()
         parts = chunk(counts, info["max_batch_patches"], info["max_batch_images"])
-        calls = [
-            self._encoder.encode_pixels.remote(arrays[s:e], pooling=pooling, num_patches=sum(counts[s:e]))
-            for s, e in parts
-        ]
-        self._counts["encoder_requests"] += len(calls)
-        if len(calls) == 1:
-            return await calls[0]
-        return [v for part in await asyncio.gather(*calls) for v in part]
+
+        def call(s: int, e: int):
+            return lambda: remote_call(
+                self._encoder.encode_pixels, arrays[s:e], pooling=pooling, num_patches=sum(counts[s:e])
+            )
+
+        self._counts["encoder_requests"] += len(parts)
+        if len(parts) == 1:
+            return await self._retrying(call(*parts[0]))
+        results = await asyncio.gather(*(self._retrying(call(s, e)) for s, e in parts))
+        return [v for part in results for v in part]
 
     async def _run_merged(self, calls: list[Call]) -> list[list[np.ndarray]]:
         self._counts["merged_batches"] += 1
@@ -175,86 +335,160 @@ class VisionIngress:
         return out
 
     def ingress_stats(self) -> dict:
-        """Counters of this ingress replica: calls through the merger, merged batches, encoder requests."""
-        return dict(self._counts)
+        """Counters of this ingress replica: calls through the merger, merged batches, encoder requests and
+        retries, rejections, timeouts, errors; requests in flight (now, peak, limit) and resident memory."""
+        return dict(self._counts) | {
+            "inflight": self._admission.inflight,
+            "peak_inflight": self._admission.peak,
+            "inflight_limit": self._admission.limit,
+            "rss_bytes": rss_bytes(),
+        }
+
+    def _overloaded(self) -> BackPressureError:
+        self._counts["rejected_overload"] += 1
+        return BackPressureError(
+            self._admission.inflight, self._admission.limit, status_code=429, retry_after_s=self.args.retry_after_s
+        )
 
     # -- Python handle API ------------------------------------------------------------------------------------
-    async def embed(self, images, pooling: str = "mean") -> list[np.ndarray]:
+    async def embed(self, images, pooling: str | None = None) -> list[np.ndarray]:
         """Embeddings of `images` (a list of encoded bytes, PIL images, uint8 arrays, data URLs or base64
         strings; a single image is treated as a list of one): per image a float32 array, [out_dim] for
         pooling="mean", [tokens, out_dim] for "none". Raises `encoder.EncoderError` subclasses for bad
-        inputs (the message names the position, e.g. "images[3]: ...")."""
+        inputs (the message names the position, e.g. "images[3]: ..."), `ray.serve.exceptions.BackPressureError`
+        when the service is over capacity and `TimeoutError` past `request_timeout_s`. The per-image limits
+        (encoded bytes, pixels, formats) apply; the per-request ones (images, patches) are HTTP's."""
         started = time.perf_counter()
         if not isinstance(images, list | tuple):
             images = [images]
+        if not self._admission.try_enter():
+            self.metrics.request("handle", "overloaded", len(images), 0, time.perf_counter() - started)
+            raise self._overloaded()
         outcome, n_images, patches = "client_error", len(images), 0
         try:
-            check_pooling(pooling)
+            if pooling is not None:
+                check_pooling(pooling)
             if not images:
                 outcome = "ok"
                 return []
-            info = await self.info()
-            arrays = await self._prepare(list(images), info["preprocess_config"], "images")
-            vectors, patches = await self._encode(arrays, pooling)
+            async with asyncio.timeout(self.args.request_timeout_s):
+                info = await self.info()
+                pooling = pooling or info["default_pooling"]
+                arrays = await self._prepare(list(images), info["preprocess_config"], "images")
+                vectors, patches = await self._encode(arrays, pooling)
             outcome = "ok"
             return vectors
         except EncoderError as e:
             raise root_cause(e) from None  # the replica's own exception, not Ray's wrapper
-        except Exception:
-            outcome = "server_error"
+        except Exception as e:
+            outcome = _outcome(classify(e)[0])
             raise
         finally:
+            self._admission.leave()
             self.metrics.request("handle", outcome, n_images, patches, time.perf_counter() - started)
 
     # -- HTTP ------------------------------------------------------------------------------------------------
-    @api.post("/v1/embeddings")
-    async def embeddings(self, body: EmbeddingRequest) -> Response:
+    def _error(self, exc: BaseException) -> Response:
+        response = error_response(exc, self.args.retry_after_s)
+        self._counts[_ANSWER_COUNTS[_outcome(response.status_code)]] += 1
+        return response
+
+    @api.post("/v1/embeddings", openapi_extra=_OPENAPI_BODY)
+    async def embeddings(self, request: Request) -> Response:
         started = time.perf_counter()
-        inputs = [body.input] if isinstance(body.input, str) else body.input
-        outcome, patches = "client_error", 0
         try:
-            if body.model is not None and body.model != self._model_name:
-                raise RequestError(
-                    f"model {body.model!r} is not served here; available: {self._model_name!r}", 404,
-                    "model_not_found", "model",
-                )  # fmt: skip
-            if len(inputs) > self.args.max_request_images:
-                raise RequestError(
-                    f"{len(inputs)} images in one request; the limit is {self.args.max_request_images}",
-                    413, "too_many_images",
-                )  # fmt: skip
-            info = await self.info()
-            if body.dimensions is not None and body.dimensions != info["out_dim"]:
-                raise RequestError(
-                    f"dimensions={body.dimensions} is not supported; this model outputs {info['out_dim']}",
-                    param="dimensions", code="invalid_dimensions",
-                )  # fmt: skip
-            arrays = await self._prepare(inputs, info["preprocess_config"], "input")
-            vectors, patches = await self._encode(arrays, body.pooling)
-            size = sum(v.size for v in vectors)
-            args = (vectors, body.encoding_format, self._model_name, patches)
-            if size > 65536:  # keep big JSON encodes off the event loop
-                content = await asyncio.get_running_loop().run_in_executor(self._pool, embeddings_body, *args)
-            else:
-                content = embeddings_body(*args)
-            outcome = "ok"
+            self._auth.check(request.headers.get("authorization"))
+        except RequestError as e:
+            self.metrics.request("http", "unauthorized", 0, 0, time.perf_counter() - started)
+            return self._error(e)
+        if not self._admission.try_enter():
+            self.metrics.request("http", "overloaded", 0, 0, time.perf_counter() - started)
+            return self._error(self._overloaded())
+        n_images, patches = 0, 0
+        reading = True
+        timer = asyncio.timeout(self.args.request_timeout_s)
+        try:
+            async with timer:
+                check_content_type(request.headers.get("content-type"))
+                body = await read_body(request, self.args.max_request_bytes)
+                reading = False
+                if len(body) > _PARSE_INLINE_BYTES:
+                    parsed = await asyncio.get_running_loop().run_in_executor(self._pool, parse_embedding_request, body)
+                else:
+                    parsed = parse_embedding_request(body)
+                del body
+                inputs = [parsed.input] if isinstance(parsed.input, str) else parsed.input
+                n_images = len(inputs)
+                content, patches = await self._embeddings(parsed, inputs)
+            self.metrics.request("http", "ok", n_images, patches, time.perf_counter() - started)
             return Response(content=content, media_type="application/json")
         except Exception as e:
-            outcome = "client_error" if classify(e)[0] < 500 else "server_error"
-            raise
+            if isinstance(e, TimeoutError) and timer.expired():
+                if reading:  # the client did not finish sending its body in time
+                    e = RequestError(
+                        f"the request body did not arrive within {self.args.request_timeout_s:g}s",
+                        408, "request_timeout", None,
+                    )  # fmt: skip
+            response = self._error(e)
+            self.metrics.request(
+                "http", _outcome(response.status_code), n_images, patches, time.perf_counter() - started
+            )
+            return response
         finally:
-            self.metrics.request("http", outcome, len(inputs), patches, time.perf_counter() - started)
+            self._admission.leave()
+
+    async def _embeddings(self, body: EmbeddingRequest, inputs: list[str]) -> tuple[bytes, int]:
+        a = self.args
+        if body.model is not None and body.model != self._model_name:
+            raise RequestError(
+                f"model {body.model!r} is not served here; available: {self._model_name!r}", 404,
+                "model_not_found", "model",
+            )  # fmt: skip
+        if len(inputs) > a.max_request_images:
+            raise RequestError(
+                f"{len(inputs)} images in one request; the limit is {a.max_request_images}", 413, "too_many_images"
+            )
+        info = await self.info()
+        pooling = body.pooling or info["default_pooling"]
+        dim = info["output_dims"].get(pooling)
+        if dim is None:
+            raise RequestError(
+                f"pooling {pooling!r} is not supported by this model; supported: {', '.join(info['output_dims'])}",
+                param="pooling", code="invalid_pooling",
+            )  # fmt: skip
+        if body.dimensions is not None and body.dimensions != dim:
+            raise RequestError(
+                f"dimensions={body.dimensions} is not supported; this model outputs {dim} with pooling={pooling}",
+                param="dimensions", code="invalid_dimensions",
+            )  # fmt: skip
+        arrays = await self._prepare(inputs, info["preprocess_config"], "input", a.max_request_patches)
+        vectors, patches = await self._encode(arrays, pooling)
+        del arrays
+        size = sum(v.size for v in vectors)
+        args = (vectors, body.encoding_format, self._model_name, patches)
+        if size > 65536:  # keep big JSON encodes off the event loop
+            content = await asyncio.get_running_loop().run_in_executor(self._pool, embeddings_body, *args)
+        else:
+            content = embeddings_body(*args)
+        return content, patches
 
     @api.get("/v1/models")
-    async def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": self._model_name, "object": "model", "created": self._created, "owned_by": "vision"}],
-        }
+    async def models(self, request: Request) -> Response:
+        try:
+            self._auth.check(request.headers.get("authorization"))
+        except RequestError as e:
+            return self._error(e)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": self._model_name, "object": "model", "created": self._created, "owned_by": "vision"}],
+            }
+        )
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """200 once every encoder replica of this application is running (constructed = graphs captured)."""
+        """200 once every encoder replica of this application is running (constructed = graphs captured).
+        Open without the API key (load balancers probe it); it reveals the model name and replica states."""
         ready, detail = await self.readiness()
         status = {"status": "ok" if ready else "starting", "detail": detail, "model": self._model_name}
         return JSONResponse(status, status_code=200 if ready else 503)
@@ -272,3 +506,9 @@ class VisionIngress:
             ready, detail = False, f"status unavailable: {type(e).__name__}: {e}"
         self._health = (time.monotonic(), ready, detail)
         return ready, detail
+
+    def __del__(self):
+        # Serve calls this after the replica drained its requests (graceful shutdown).
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

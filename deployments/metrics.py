@@ -19,7 +19,8 @@ class IngressMetrics:
     def __init__(self) -> None:
         self.requests = Counter(
             "vision_requests",
-            description="Requests to the ingress, by route (http|handle) and outcome (ok|client_error|server_error).",
+            description="Requests to the ingress, by route (http|handle) and outcome "
+            "(ok|client_error|unauthorized|overloaded|timeout|server_error).",
             tag_keys=("route", "outcome"),
         )
         self.images = Counter("vision_request_images", description="Images received.", tag_keys=("route",))
@@ -34,6 +35,10 @@ class IngressMetrics:
             "vision_ingress_batch_images",
             description="Images per merged encoder request formed by ingress batching.",
             boundaries=_SIZES,
+        )
+        self.retries = Counter(
+            "vision_encoder_call_retries",
+            description="Encoder calls retried because their replica died or was unavailable.",
         )
 
     def request(self, route: str, outcome: str, images: int, patches: int, seconds: float) -> None:
@@ -78,6 +83,16 @@ class ReplicaMetrics:
         )
         self.queue_depth = Gauge("vision_encoder_queue_depth", description="Requests inside the replica.")
         self.captured = Gauge("vision_encoder_graphs_captured", description="Bucket graphs captured (0 on CPU).")
+        self.health_checks = Counter(
+            "vision_encoder_health_checks",
+            description="Health checks (a tiny encode through the graph path), by result (ok|failed).",
+            tag_keys=("result",),
+        )
+        self.health_probe = Histogram(
+            "vision_encoder_health_probe_ms",
+            description="Latency of the health check's probe encode, queue wait included.",
+            boundaries=_LATENCY_MS,
+        )
         self._last: dict = {}
 
     def batch(self, requests: int, images: int, patches: int, waits_s: list[float], run_s: float, stats: dict) -> None:

@@ -8,17 +8,19 @@ handlers live here, its routes on `deployments.ingress.VisionIngress`.
 # No `from __future__ import annotations`: FastAPI reads the request model from route signatures.
 import base64
 import binascii
-import io
 import json
 import logging
+import math
+import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from encoder.errors import (
@@ -29,7 +31,7 @@ from encoder.errors import (
     InvalidArgumentError,
     InvalidImageError,
 )
-from encoder.preprocess import PreprocessConfig, load_image, resize_image
+from encoder.preprocess import PreprocessConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -38,11 +40,23 @@ logger = logging.getLogger("ray.serve")
 
 
 class RequestError(InvalidArgumentError):
-    """A client mistake the ingress detects itself (bad base64, data URL, media type, too many images)."""
+    """A client mistake the ingress detects itself (bad base64, data URL, media type, limits, API key)."""
 
     def __init__(self, message: str, status: int = 400, code: str = "invalid_request", param: str | None = "input"):
         super().__init__(message)
         self.status, self.code, self.param = status, code, param
+
+
+# Errors of a call to an encoder replica that say the replica (or its node) went away, not that the request
+# was bad: the ingress retries these (encoding is idempotent); when retries run out they answer 503.
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    RayActorError,  # ActorDiedError, ActorUnavailableError
+    WorkerCrashedError,
+    NodeDiedError,
+    ObjectLostError,
+    ReplicaUnavailableError,
+    DeploymentUnavailableError,
+)
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -57,7 +71,7 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
     """(HTTP status, OpenAI error type, code, param) for an exception."""
     exc = root_cause(exc)
     if isinstance(exc, RequestError):
-        return exc.status, "invalid_request_error", exc.code, exc.param
+        return exc.status, _error_type(exc.status), exc.code, exc.param
     if isinstance(exc, ImageTooLargeError):
         return 413, "invalid_request_error", "image_too_large", "input"
     if isinstance(exc, ImageDecodeError | InvalidImageError):
@@ -66,19 +80,53 @@ def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
         return 400, "invalid_request_error", "invalid_argument", None
     if isinstance(exc, EncoderError) and not isinstance(exc, ConfigError):
         return 400, "invalid_request_error", "invalid_request", None
+    if isinstance(exc, BackPressureError):
+        status = exc.status_code if exc.status_code in (429, 503) else 503
+        return status, _error_type(status), "overloaded", None
+    if isinstance(exc, UNAVAILABLE_ERRORS):
+        return 503, "server_error", "encoder_unavailable", None
+    if isinstance(exc, TimeoutError):
+        return 504, "server_error", "timeout", None
     return 500, "server_error", "internal_error", None
+
+
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
 
 
 def error_body(message: str, type_: str, code: str | None, param: str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+_MESSAGES = {
+    "overloaded": "the service is over capacity; retry after the time in the Retry-After header",
+    "encoder_unavailable": "no encoder replica could take the request; retry after the time in the Retry-After header",
+    "timeout": "the request took longer than the service's time limit",
+}
+
+
+def error_response(exc: BaseException, retry_after_s: float | None = 1.0) -> JSONResponse:
+    """The OpenAI error object for `exc`, with `Retry-After` on 429 / 503 and `WWW-Authenticate` on 401."""
     status, type_, code, param = classify(exc)
-    message = str(root_cause(exc)) if status < 500 else f"internal error: {type(root_cause(exc)).__name__}"
-    if status >= 500:
+    cause = root_cause(exc)
+    if status < 500 and status != 429:
+        message = str(cause)
+    elif code in _MESSAGES:
+        message = f"{_MESSAGES[code]} ({type(cause).__name__})" if code != "timeout" else _MESSAGES[code]
+    else:
+        message = f"internal error: {type(cause).__name__}"
+    if status == 500:
         logger.exception("request failed", exc_info=exc)
-    return JSONResponse(error_body(message, type_, code, param), status_code=status)
+    headers = {}
+    if status in (429, 503) and retry_after_s is not None:
+        headers["Retry-After"] = str(max(0, math.ceil(retry_after_s)))
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
 
 
 def with_index(exc: EncoderError, where: str) -> EncoderError:
@@ -107,47 +155,65 @@ def decode_base64(text: str) -> bytes:
         raise RequestError(f"invalid base64 image data: {e}", code="invalid_base64") from None
 
 
-def decode_image_string(text: str) -> bytes:
-    """A data URL (`data:image/png;base64,...`) or bare base64 -> the encoded image bytes."""
-    if text.startswith("data:"):
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,15}://")
+
+
+def is_url(text: str) -> bool:
+    """`scheme://...`: never base64 (':' and '/' after letters cannot start a base64 image)."""
+    return bool(_URL.match(text))
+
+
+def image_too_large(size: int, limit: int, what: str = "image") -> RequestError:
+    return RequestError(f"{what} is {size} bytes, over the limit of {limit} bytes", 413, "image_too_large")
+
+
+def parse_image_string(text: str, max_bytes: int | None = None) -> tuple[bytes, str | None]:
+    """A data URL (`data:image/png;base64,...`) or bare base64 -> (encoded image bytes, declared media type).
+
+    `max_bytes`: the encoded-image limit, checked from the base64 length before decoding and exactly after.
+    URLs are not handled here (RequestError 400); see `deployments.security.UrlFetcher`.
+    """
+    media = None
+    if text[:5].lower() == "data:":
         header, comma, payload = text.partition(",")
         if not comma:
             raise RequestError("malformed data URL: no ',' before the data", code="invalid_data_url")
+        if len(header) > 256:
+            raise RequestError("malformed data URL: header longer than 256 characters", code="invalid_data_url")
         media, *params = (p.strip().lower() for p in header[5:].split(";"))
         if "base64" not in params:
             message = "data URLs must be base64-encoded ('data:image/png;base64,...')"
             raise RequestError(message, code="invalid_data_url")
         if media and not media.startswith("image/"):
             raise RequestError(f"unsupported media type {media!r}; send an image", 415, "unsupported_media_type")
-        return decode_base64(payload)
-    if text.startswith(("http://", "https://")):
-        raise RequestError("image URLs are not fetched; send a data URL or base64 image", code="invalid_image_url")
-    return decode_base64(text)
+        text = payload
+    elif is_url(text):
+        scheme = text.split(":", 1)[0].lower()
+        raise RequestError(
+            f"{scheme} image URLs are not fetched by this service; send a data URL or base64 image",
+            code="invalid_image_url",
+        )
+    if max_bytes is not None and (len(text) * 3) // 4 > max_bytes + max_bytes // 16 + 16:  # surely over
+        raise image_too_large((len(text) * 3) // 4, max_bytes, "image (estimated from its base64 length)")
+    data = decode_base64(text)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise image_too_large(len(data), max_bytes)
+    return data, media or None
 
 
-def identify_format(data: bytes) -> str | None:
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.format
-    except Exception:  # noqa: BLE001 - unidentifiable bytes
-        return None
+def decode_image_string(text: str) -> bytes:
+    """A data URL (`data:image/png;base64,...`) or bare base64 -> the encoded image bytes."""
+    return parse_image_string(text)[0]
 
 
 def prepare_image(x: Any, pp: PreprocessConfig) -> np.ndarray:
-    """One input (str, bytes, PIL image, uint8 array) -> uint8 [H, W, 3] at the model's resize size."""
-    if isinstance(x, str):
-        x = decode_image_string(x)
-    try:
-        img = load_image(x, pp)
-    except ImageDecodeError:
-        fmt = identify_format(bytes(x)) if isinstance(x, bytes | bytearray | memoryview) else None
-        if fmt is not None and fmt not in pp.allowed_formats and fmt != "MPO":
-            allowed = ", ".join(sorted(pp.allowed_formats))
-            raise RequestError(
-                f"image format {fmt} is not supported (supported: {allowed})", 415, "unsupported_image_format"
-            ) from None
-        raise
-    return resize_image(img, pp)
+    """One input (str, bytes, PIL image, uint8 array) -> uint8 [H, W, 3] at the model's resize size.
+
+    The header checks of `deployments.limits.open_input` (format allowlist: 415; pixel limit: 413), then
+    the decode and resize."""
+    from .limits import finish_input, open_input
+
+    return finish_input(open_input(x, pp), pp)
 
 
 # ------------------------------------------------------------------------------------------ HTTP schema
@@ -161,11 +227,37 @@ class EmbeddingRequest(BaseModel):
     input: str | Annotated[list[str], Field(min_length=1)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    pooling: Literal["mean", "none"] = Field(
-        "mean", description="Extension: 'mean' (one vector per image) or 'none' (one vector per output token)."
+    pooling: Literal["model", "mean", "none", "model-l2", "mean-l2"] | None = Field(
+        None,
+        description="Extension: 'model' (the model's own image embedding: CLIP / SigLIP), 'mean' (mean of the "
+        "output tokens), 'none' (one vector per output token), '-l2' for L2-normalised vectors; default: the "
+        "model's ('model' for CLIP / SigLIP, 'mean' for Qwen).",
     )
     dimensions: int | None = Field(None, description="Accepted only if equal to the model's output width.")
     user: str | None = None
+
+
+def schema_error(errors: list[dict]) -> RequestError:
+    """422 naming every schema violation (`input.str: Input should be a valid string; ...`)."""
+
+    def where(e: dict) -> str:
+        return ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+
+    message = "; ".join(f"{where(e) or 'body'}: {e.get('msg')}" for e in errors) or "invalid request body"
+    loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
+    return RequestError(message, 422, "invalid_schema", loc[0] if loc else None)
+
+
+def parse_embedding_request(body: bytes) -> EmbeddingRequest:
+    """The request body -> EmbeddingRequest; RequestError 400 (not JSON) or 422 (schema)."""
+    try:
+        return EmbeddingRequest.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_context=False, include_input=False)
+        if any(x.get("type") == "json_invalid" for x in errors):
+            detail = errors[0].get("msg", "").removeprefix("Invalid JSON: ")
+            raise RequestError(f"the request body is not valid JSON: {detail}", 400, "invalid_json", None) from None
+        raise schema_error(errors) from None
 
 
 def embedding_item(index: int, vec: np.ndarray, encoding_format: str) -> dict:
@@ -205,19 +297,17 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if any(e.get("type") == "json_invalid" for e in errors):
         return JSONResponse(error_body("the request body is not valid JSON", "invalid_request_error",
                                        "invalid_json", None), status_code=400)  # fmt: skip
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}" for e in errors)
-    return JSONResponse(
-        error_body(message, "invalid_request_error", "invalid_schema", loc[0] if loc else None), status_code=422
-    )
+    return error_response(schema_error(list(errors)))
 
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return JSONResponse(error_body(str(exc.detail), type_, code, None), status_code=exc.status_code)
+    code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse(
+        error_body(f"{exc.detail} ({request.method} {request.url.path})", _error_type(exc.status_code), code, None),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
 
 
 @api.exception_handler(Exception)

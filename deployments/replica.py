@@ -24,11 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+import ray
 import torch
 from ray import serve
 
 import encoder
-from encoder.api import check_pooling
+from encoder.api import POOLINGS, check_pooling, vector_pooling
 from encoder.errors import EncoderError, InvalidArgumentError, InvalidImageError
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import PreprocessConfig, patchify
@@ -38,6 +39,12 @@ from .config import AppArgs, batch_limits, bucket_table, resolve_device, resolve
 from .metrics import ReplicaMetrics
 
 logger = logging.getLogger("ray.serve")
+
+
+def _sticky_device_error(e: BaseException) -> bool:
+    """An error after which the device (CUDA context) cannot be trusted: the replica must be replaced."""
+    text = str(e)
+    return "CUDA error" in text or "CUBLAS" in text or "illegal memory access" in text
 
 
 @dataclass
@@ -177,6 +184,13 @@ class EncoderReplica:
                 max_concurrent_batches=1,
                 batch_size_fn=self._batch_units,
             )(self._run_batch)
+        # Health: a tiny real encode through the graph path, compared with its output at start-up.
+        side = self.pp.factor * max(1, -(-int(self.pp.min_pixels**0.5) // self.pp.factor))
+        ramp = (np.arange(side * side * 3, dtype=np.int64) * 37 % 251).astype(np.uint8)
+        self._probe_pixels = [ramp.reshape(side, side, 3)]
+        self._probe_ref = self._probe()
+        self._fault: str | None = None  # inject_fault("unhealthy")
+        self._hold = None  # inject_fault("hold"): (switch actor, timeout)
         stats = self.engine.stats()
         self.metrics.captured.set(stats["captures"])
         self.ready = True
@@ -240,7 +254,7 @@ class EncoderReplica:
         except EncoderError:
             raise
         except Exception as e:
-            if "CUDA error" in str(e) or "CUBLAS" in str(e):
+            if _sticky_device_error(e):
                 self._fatal = e  # a sticky device error: fail health checks so Serve replaces this replica
             raise
         self.metrics.batch(
@@ -256,6 +270,7 @@ class EncoderReplica:
     @torch.inference_mode()
     def _compute(self, works: list[Work]) -> list[list[np.ndarray]]:
         """Worker thread: one engine call per pooling mode present in the batch (usually one)."""
+        self._wait_if_held()
         out: list[list[np.ndarray] | None] = [None] * len(works)
         by_pooling: dict[str, list[int]] = {}
         for i, w in enumerate(works):
@@ -297,9 +312,95 @@ class EncoderReplica:
         """Published once when the replica starts, so routers know its table before the first stats poll."""
         return self.record_routing_stats()
 
-    def check_health(self) -> None:
+    # -- health -----------------------------------------------------------------------------------------------
+    def _probe(self) -> np.ndarray:
+        """Worker thread: encode the probe image through the engine (a graph replay on CUDA)."""
+        batch = stack_patchify(self._probe_pixels, self.pp, self.device)
+        (vector,) = self.engine.encode(batch, pooling="mean")
+        return vector.numpy()
+
+    async def check_health(self) -> None:
+        """Serve's health check (every `health_check_period_s`; 3 failures in a row and Serve replaces the
+        replica): fails after a sticky device error, and otherwise runs a tiny real encode in the device
+        thread (queued behind the running batch) and checks its output is finite and unchanged."""
+        if self._fault == "unhealthy":
+            self.metrics.health_checks.inc(tags={"result": "failed"})
+            raise RuntimeError("encoder replica is unhealthy (injected fault)")
         if self._fatal is not None:
+            self.metrics.health_checks.inc(tags={"result": "failed"})
             raise RuntimeError(f"encoder replica hit a device error and must be replaced: {self._fatal}")
+        started = time.perf_counter()
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(self._executor, self._probe)
+        except Exception as e:
+            if _sticky_device_error(e):
+                self._fatal = e
+            self.metrics.health_checks.inc(tags={"result": "failed"})
+            raise RuntimeError(f"health probe encode failed: {type(e).__name__}: {e}") from e
+        self.metrics.health_probe.observe((time.perf_counter() - started) * 1000.0)
+        if not np.isfinite(out).all() or not np.allclose(out, self._probe_ref, rtol=1e-3, atol=1e-3):
+            self._fatal = RuntimeError("the health probe's embedding is not finite or differs from start-up")
+            self.metrics.health_checks.inc(tags={"result": "failed"})
+            raise RuntimeError(f"encoder replica must be replaced: {self._fatal}")
+        self.metrics.health_checks.inc(tags={"result": "ok"})
+
+    async def inject_fault(self, kind: str | None, switch=None, timeout_s: float = 60.0) -> str:
+        """Tests only (`AppArgs.enable_fault_injection`); returns this replica's actor name
+        (`ray.get_actor(name, namespace="serve")`), so a test knows which replica it hit.
+
+        kind: "hold" — the next batch waits in the device thread (and every later one behind it) until
+        `switch.wait.remote()` returns (an actor the test owns) or `timeout_s` passes; "unhealthy" —
+        health checks fail; "corrupt" — the weights become NaN (a broken device state the health probe
+        must detect); None — clear "hold" and "unhealthy".
+        """
+        if not self.args.enable_fault_injection:
+            raise InvalidArgumentError("fault injection is disabled (AppArgs.enable_fault_injection)")
+        if kind == "hold":
+            if switch is None:
+                raise InvalidArgumentError("inject_fault('hold') needs a switch actor with a wait() method")
+            self._hold = (switch, timeout_s)
+        elif kind == "unhealthy":
+            self._fault = "unhealthy"
+        elif kind == "corrupt":
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._corrupt)
+        elif kind is None:
+            self._fault, self._hold = None, None
+        else:
+            raise InvalidArgumentError(f"unknown fault {kind!r}; expected hold, unhealthy, corrupt or None")
+        return serve.get_replica_context().replica_id.to_full_id_str()
+
+    @torch.no_grad()
+    def _corrupt(self) -> None:
+        for p in self.engine.encoder.model.parameters():
+            p.fill_(float("nan"))  # in place: captured graphs read the same memory
+
+    def _wait_if_held(self) -> None:
+        """Worker thread: block while a "hold" fault is set (released by its switch, or its timeout)."""
+        hold = self._hold
+        if hold is None:
+            return
+        switch, timeout_s = hold
+        try:
+            ray.get(switch.wait.remote(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - a lost switch or the timeout releases the hold too
+            logger.warning("hold released by %s: %s", type(e).__name__, e)
+        finally:
+            if self._hold is hold:
+                self._hold = None
+
+    def __del__(self):
+        # Serve calls this once the replica drained its requests (graceful shutdown); let the batch that
+        # runs in the device thread finish rather than tear the engine down under it.
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def _supports(self, pooling: str) -> bool:
+        try:
+            self.engine.encoder.resolve_pooling(pooling)
+        except EncoderError:
+            return False
+        return True
 
     def describe(self) -> dict:
         """Model and batching facts the ingress needs (preprocessing, limits) and tests inspect."""
@@ -307,6 +408,8 @@ class EncoderReplica:
         return {
             "model": vision.name,
             "out_dim": vision.out_dim,
+            "default_pooling": vector_pooling(vision.config),
+            "output_dims": {p: vision.output_dim(p) for p in POOLINGS if self._supports(p)},
             "device": str(self.device),
             "dtype": str(vision.dtype).removeprefix("torch."),
             "preprocess": self.pp.model_dump(mode="json"),
