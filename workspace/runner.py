@@ -242,7 +242,6 @@ class GraphRunner:
     def _run_bucket(self, pack: Pack, pixel_values, grid, starts):
         ws = self._workspace(pack.key)
         idx = pack.indices
-        rows = 0
         # consecutive images -> one contiguous slice of the packed input
         src = pixel_values[starts[idx[0]] : starts[idx[-1] + 1]]
         rows = src.shape[0]
