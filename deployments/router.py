@@ -87,6 +87,7 @@ and starts routing requests in arrival order.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import operator
@@ -354,7 +355,10 @@ class BucketRouter(LocalityMixin, RequestRouter):
         # Patches this router has in flight, per replica and per (replica, request); released by a
         # done-callback on the request's result, registered after the increment so it cannot run first.
         self._inflight_patches: defaultdict[ReplicaID, int] = defaultdict(int)
-        self._inflight: dict[tuple[ReplicaID, str], int] = {}
+        # keyed by a per-router sequence number, not the request id: concurrent calls made while
+        # serving one ingress request can share Serve's internal request id
+        self._inflight: dict[tuple[ReplicaID, int], int] = {}
+        self._routed_seq = itertools.count()
         # Selections already counted in Ray's queue-length cache but not yet sent (see _select_...).
         self._booked: defaultdict[ReplicaID, int] = defaultdict(int)
 
@@ -420,14 +424,14 @@ class BucketRouter(LocalityMixin, RequestRouter):
         size = self._size(pending_request)
         if size is None:
             return
-        key = (replica_id, pending_request.metadata.internal_request_id)
-        self._inflight[key] = self._inflight.get(key, 0) + size[0]
+        key = (replica_id, next(self._routed_seq))
+        self._inflight[key] = size[0]
         self._inflight_patches[replica_id] += size[0]
         loop = self._event_loop
         # The result's callbacks fire on a Ray or gRPC thread; hop onto the router's loop.
         result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, key))
 
-    def _release(self, key: tuple[ReplicaID, str]) -> None:
+    def _release(self, key: tuple[ReplicaID, int]) -> None:
         patches = self._inflight.pop(key, 0)
         if not patches:
             return

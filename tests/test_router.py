@@ -669,3 +669,27 @@ def test_request_router_config_accepts_the_class():
     assert config.get_request_router_class().__name__ == "BucketRouter"
     for path in ("deployments.router.BucketRouter", "deployments.router:BucketRouter"):
         assert RequestRouterConfig(request_router_class=path).get_request_router_class().__name__ == "BucketRouter"
+
+
+def test_inflight_patches_are_tracked_per_call_even_with_a_shared_request_id():
+    """Concurrent encoder calls made for one ingress request share Serve's internal request id;
+    finishing one must release only its own patches."""
+
+    async def body():
+        router = make_router()
+        a, b = FakeReplica("a", TWO_STATS), FakeReplica("b", TWO_STATS)
+        router.update_replicas([a, b])
+        first = request(3000)
+        second = PendingRequest(args=["pixels"], kwargs={"num_patches": 2000}, metadata=first.metadata)
+        r1, r2 = FakeResult(), FakeResult()
+        router.on_request_routed(first, b.replica_id, r1)
+        router.on_request_routed(second, b.replica_id, r2)
+        assert router.inflight_patches(b.replica_id) == 5000
+        r1.finish()
+        await settle(router)
+        assert router.inflight_patches(b.replica_id) == 2000
+        r2.finish()
+        await settle(router)
+        assert router.inflight_patches(b.replica_id) == 0
+
+    run(body())
