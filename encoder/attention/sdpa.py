@@ -62,11 +62,9 @@ class SdpaAttention(AttentionBackend):
             # [N+1, H, L, D]
             return buf.view(num_segments + 1, max_seqlen, heads, head_dim).transpose(1, 2)
 
-        lengths = torch.cat([cu[1:] - cu[:-1], cu.new_zeros(1)])
-        # key j of segment n is valid when j < len(n); the spare segment keeps one key so no row is
-        # fully masked (a fully masked softmax gives NaN on some SDPA kernels)
-        lengths = torch.cat([lengths[:-1], lengths.new_ones(1)])
-        lengths = lengths.clamp(min=1)
+        # key j of segment n is valid when j < len(n); empty segments and the spare segment keep
+        # one (zero) key so no row is fully masked (a fully masked softmax gives NaN on some kernels)
+        lengths = torch.cat([cu[1:] - cu[:-1], cu.new_ones(1)]).clamp(min=1)
         key_ok = torch.arange(max_seqlen, device=q.device)[None, :] < lengths[:, None]
         mask = key_ok[:, None, None, :]  # [N+1, 1, 1, L]
         o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask)
