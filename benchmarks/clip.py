@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,32 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine import matmul_peak, timed  # noqa: E402  (benchmarks/engine.py: one timer, one peak)
+
 import encoder  # noqa: E402
 import workspace  # noqa: E402
 from encoder.attention import available_backends, default_backend_name, get_backend  # noqa: E402
 from encoder.config import ClipVisionConfig  # noqa: E402
-
-
-def timed(fn, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds per call, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def matmul_peak() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / timed(lambda: a @ b, 10) / 1e9  # TFLOP/s
 
 
 def flops_per_image(cfg) -> float:
