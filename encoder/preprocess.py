@@ -341,13 +341,17 @@ def patchify_many(pixels: list[torch.Tensor], cfg: PreprocessConfig = DEFAULT_CO
     return PatchBatch(torch.cat(patches) if patches else torch.zeros(0, cfg.patch_dim), grid)
 
 
-def preprocess(images: Any, cfg: PreprocessConfig = DEFAULT_CONFIG) -> PatchBatch:
-    """One input or a list of inputs (any kind `load_image` accepts) -> PatchBatch, equal to HF's output."""
+def preprocess(images: Any, cfg: PreprocessConfig = DEFAULT_CONFIG, resize=None) -> PatchBatch:
+    """One input or a list of inputs (any kind `load_image` accepts) -> PatchBatch, equal to HF's output.
+
+    `resize(img, cfg) -> uint8 HWC` is the family's resize rule (default: Qwen's `resize_image`).
+    """
+    resize = resize or resize_image
     items = list(images) if isinstance(images, list | tuple) else [images]
     arrays = []
     for i, x in enumerate(items):
         try:
-            arrays.append(torch.from_numpy(resize_image(load_image(x, cfg), cfg)))
+            arrays.append(torch.from_numpy(resize(load_image(x, cfg), cfg)))
         except (ImageDecodeError, InvalidImageError) as e:
             if len(items) == 1:
                 raise

@@ -29,21 +29,18 @@ import math
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from encoder.config import ClipVisionConfig, VitVisionConfig
-from encoder.errors import ConfigError, ImageDecodeError, InvalidImageError
+from encoder.errors import ConfigError, InvalidImageError
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import (
     DEFAULT_FORMATS,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     PreprocessConfig,
-    load_image,
     num_patches,
-    patchify_many,
     preprocess,
     resize_image,
 )
@@ -298,16 +295,7 @@ def resize_crop(img: Image.Image, cfg: VitPreprocessConfig) -> np.ndarray:
 
 def preprocess_vit(images: Any, cfg: VitPreprocessConfig) -> PatchBatch:
     """One input or a list (any kind `load_image` accepts) -> PatchBatch; grid_thw rows are (1, H/P, W/P)."""
-    items = list(images) if isinstance(images, list | tuple) else [images]
-    arrays = []
-    for i, x in enumerate(items):
-        try:
-            arrays.append(torch.from_numpy(resize_crop(load_image(x, cfg), cfg)))
-        except (ImageDecodeError, InvalidImageError) as e:
-            if len(items) == 1:
-                raise
-            raise type(e)(f"image {i}: {e}") from e
-    return patchify_many(arrays, cfg)
+    return preprocess(images, cfg, resize=resize_crop)
 
 
 # ----------------------------------------------------------------------------------------- any family
