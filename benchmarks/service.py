@@ -38,6 +38,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before ray.init: Ray workers inherit the driver's sys.path
 
 
+# Ray Serve feature flags, read when Ray's processes start (set before `import ray`):
+#   default     Ray's Python HTTP proxy; handle calls as Ray actor tasks; user code in a separate thread.
+#   throughput  RAY_SERVE_THROUGHPUT_OPTIMIZED=1: handle calls over gRPC, user code and routers on the
+#               replica's own event loop, ingress replicas listening themselves (a proxy stays on the head).
+#   haproxy     throughput + RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy on the HTTP port balancing over the ingress
+#               replicas' own listeners (no Python proxy hop).
+# gRPC caps a replica's incoming message at 4 MiB; `embed` calls of 32 224x224 arrays are 4.8 MB, so the
+# fast modes raise it (as the README's launch line does).
+# Direct ingress keeps a deleted app's ingress replicas draining for 30 s (for external load balancers);
+# between the benchmark's deployments that is only waiting.
+_GRPC = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**28),
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+}
+SERVE_MODES = {
+    "default": {},
+    "throughput": _GRPC,
+    "haproxy": _GRPC | {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-vl-7b")
@@ -48,11 +70,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=None, help="encoder replicas on CPU (default 1)")
     p.add_argument("--ingress-replicas", type=int, default=2)
     p.add_argument("--ingress-batch-size", type=int, default=32, help="0: no ingress batching")
-    p.add_argument("--ingress-wait", type=float, default=0.002)
-    p.add_argument("--batcher", default="serve", choices=["serve", "continuous"])
+    p.add_argument("--ingress-slots", type=int, default=2, help="merged encoder requests in flight per ingress")
+    p.add_argument("--batcher", default="continuous", choices=["serve", "continuous"])
     p.add_argument("--batch-wait", type=float, default=0.002)
     p.add_argument("--router", default=None, help="request router import path for the main phases")
     p.add_argument("--router-compare", action="store_true", help="add the mixed-load router comparison")
+    p.add_argument("--serve-mode", default="haproxy", choices=sorted(SERVE_MODES), help="Ray Serve's request path")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--client-procs", type=int, default=0, help="spread callers over N Ray actors (0: this process)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measured phase")
@@ -169,10 +192,10 @@ async def run_load(kind: str, target, payloads: list, clients: int, duration: fl
     return {"images": count, "seconds": elapsed, "latencies": latencies}
 
 
-def load(a, kind: str, target, payloads: list, clients: int, per_call: int = 1, app_name: str = "bench") -> dict:
+async def load(a, kind: str, target, payloads: list, clients: int, per_call: int = 1, app_name: str = "bench") -> dict:
     """Run the closed loop here, or split over --client-procs Ray actors; merge their results."""
     if a.client_procs <= 0 or clients < 2:
-        return asyncio.run(run_load(kind, target, payloads, clients, a.duration, per_call))
+        return await run_load(kind, target, payloads, clients, a.duration, per_call)
     import ray
 
     @ray.remote(num_cpus=0)
@@ -187,8 +210,8 @@ def load(a, kind: str, target, payloads: list, clients: int, per_call: int = 1, 
     procs = min(a.client_procs, clients)
     actors = [Caller.remote() for _ in range(procs)]
     tgt = target if kind == "http" else None
-    parts = ray.get([c.run.remote(kind, tgt, payloads, clients // procs + (i < clients % procs), a.duration, per_call)
-                     for i, c in enumerate(actors)])  # fmt: skip
+    parts = await asyncio.gather(*[c.run.remote(kind, tgt, payloads, clients // procs + (i < clients % procs),
+                                                a.duration, per_call) for i, c in enumerate(actors)])  # fmt: skip
     merged = {"images": sum(p["images"] for p in parts), "seconds": max(p["seconds"] for p in parts), "latencies": {}}
     for p in parts:
         for key, values in p["latencies"].items():
@@ -217,7 +240,7 @@ def app_args(a, gpus: int, **over) -> dict:
         "num_gpus": 1 / per_gpu if gpus else 0, "num_cpus": 0.5,
         "batcher": a.batcher, "batch_wait_timeout_s": a.batch_wait,
         "ingress_replicas": a.ingress_replicas, "ingress_batch_size": a.ingress_batch_size,
-        "ingress_batch_wait_timeout_s": a.ingress_wait, "request_router_class": a.router,
+        "ingress_max_concurrent_batches": a.ingress_slots, "request_router_class": a.router,
     }  # fmt: skip
     args.update(over)
     return {k: v for k, v in args.items() if v is not None}
@@ -229,55 +252,104 @@ def deploy(args: dict):
     import deployments
 
     t = time.perf_counter()
-    handle = serve.run(deployments.build_app(args), name="bench", route_prefix="/")
+    serve.run(deployments.build_app(args), name="bench", route_prefix="/")
     print(f"deployed in {time.perf_counter() - t:.1f}s: {json.dumps(args)}", file=sys.stderr, flush=True)
-    return handle
+    return serve.get_app_handle("bench")
 
 
-def service_phases(a, gpus: int, base_url: str) -> list[dict]:
+async def replica_stats(method, calls: int = 24) -> dict[str, dict]:
+    """{replica id: stats} of the replicas that answered `calls` stats calls (the router spreads them)."""
+    answers = await asyncio.gather(*(method.remote() for _ in range(calls)))
+    return {s["replica_id"]: s for s in answers}
+
+
+async def encoder_report(before: dict[str, dict], label: str) -> dict[str, dict]:
+    """Print what each encoder replica did since `before`: batches, mean images per batch, busy share."""
     from ray import serve
 
-    handle = deploy(app_args(a, gpus))
-    pp_dict = handle.info.remote().result()["preprocess"]
+    enc = serve.get_deployment_handle("VisionEncoder", "bench")
+    after = await replica_stats(enc.stats)
+    for rid, s in sorted(after.items()):
+        b = before.get(rid, {})
+        batches = s["batches"] - b.get("batches", 0)
+        images = s["batched_images"] - b.get("batched_images", 0)
+        requests = s["batched_requests"] - b.get("batched_requests", 0)
+        busy = s["busy_seconds"] - b.get("busy_seconds", 0.0)
+        print(f"  [{label}] encoder {rid}: {batches} batches, {requests} requests, {images} images "
+              f"({images / max(batches, 1):.1f}/batch), device thread busy {busy:.1f}s",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return after
+
+
+async def measured(a, name: str, kind: str, target, payloads, clients: int, per_call: int = 1, keys=None) -> dict:
+    from ray import serve
+
+    before = await replica_stats(serve.get_deployment_handle("VisionEncoder", "bench").stats)
+    result = await load(a, kind, target, payloads, clients, per_call)
+    await encoder_report(before, name)
+    return result
+
+
+async def service_phases(a, gpus: int, base_url: str) -> list[dict]:
+    from ray import serve
+
     from encoder.preprocess import PreprocessConfig
 
+    handle = deploy(app_args(a, gpus))
+    pp_dict = (await handle.info.remote())["preprocess"]
     imgs = images(224, 64, PreprocessConfig.model_validate(pp_dict), seed=1)
-    rows = [row("handle x1", load(a, "handle", handle, [[x] for x in imgs], a.clients))]
+    rows = [row("handle x1", await measured(a, "handle x1", "handle", handle, [[x] for x in imgs], a.clients))]
     batches = [imgs[:32], imgs[32:]]
-    rows.append(row("handle x32", load(a, "handle", handle, batches, a.clients, per_call=32)))
+    rows.append(row("handle x32", await measured(a, "handle x32", "handle", handle, batches, a.clients, per_call=32)))
     bodies = [png_body(x) for x in imgs]
-    rows.append(row("http", load(a, "http", base_url, bodies, a.clients)))
-    idle = asyncio.run(run_load("http", base_url, bodies, 1, min(a.duration, 5)))
+    rows.append(row("http", await measured(a, "http", "http", base_url, bodies, a.clients)))
+    idle = await run_load("http", base_url, bodies, 1, min(a.duration, 5))
     rows.append(row("http idle (1 conn)", idle))
-    stats = handle.ingress_stats.remote().result()
-    print(f"ingress replica stats (one of {a.ingress_replicas}): {stats}", file=sys.stderr)
+    idle = await run_load("handle", handle, [[x] for x in imgs], 1, min(a.duration, 5))
+    rows.append(row("handle idle (1 caller)", idle))
+    for rid, stats in sorted((await replica_stats(handle.ingress_stats, 4 * a.ingress_replicas)).items()):
+        print(f"  ingress replica {rid}: {stats}", file=sys.stderr)
     serve.delete("bench")
     return rows
 
 
-def router_phases(a, gpus: int) -> list[dict]:
+async def router_phases(a, gpus: int) -> list[dict]:
     from ray import serve
 
     from encoder.preprocess import PreprocessConfig
 
     rows = []
     for router in (None, "deployments.router:BucketRouter"):
-        over = {"num_replicas": 2, "num_gpus": 0.5 if gpus else 0, "request_router_class": router,
+        over = {"num_replicas": 2, "num_gpus": 0.5 if gpus else 0, "request_router_class": router or "ray",
                 "ingress_batch_size": 0}  # fmt: skip
         handle = deploy(app_args(a, gpus, **over))
-        pp = PreprocessConfig.model_validate(handle.info.remote().result()["preprocess"])
+        pp = PreprocessConfig.model_validate((await handle.info.remote())["preprocess"])
         small, large = images(224, 9, pp, seed=2), images(1344, 1, pp, seed=3)
         payloads = [[x] for x in small] + [[x] for x in large]  # 10 slots: 90% small, 10% large
-        result = load(a, "handle", handle, payloads, a.clients)
         name = router.rsplit(":", 1)[-1] if router else "default router"
+        result = await measured(a, f"mixed, {name}", "handle", handle, payloads, a.clients)
         rows.append(row(f"mixed, {name}: 224x224", result, keys=set(range(9))))
         rows.append(row(f"mixed, {name}: 1344x1344", result, keys={9}))
+        rows.append(row(f"mixed, {name}: all", result))
         serve.delete("bench")
+    return rows
+
+
+async def serve_phases(a, gpus: int, base_url: str) -> list[dict]:
+    from ray import serve
+
+    try:
+        rows = await service_phases(a, gpus, base_url)
+        if a.router_compare:
+            rows += await router_phases(a, gpus)
+    finally:
+        serve.shutdown()  # inside the loop that owns this process's handles
     return rows
 
 
 def main() -> None:
     a = parse_args()
+    os.environ.update(SERVE_MODES[a.serve_mode])
     import ray
     import torch
     from ray import serve
@@ -294,16 +366,13 @@ def main() -> None:
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        rows += service_phases(a, gpus, f"http://127.0.0.1:{port}")
-        if a.router_compare:
-            rows += router_phases(a, gpus)
+        rows += asyncio.run(serve_phases(a, gpus, f"http://127.0.0.1:{port}"))
     finally:
-        serve.shutdown()
         ray.shutdown()
     engine = max(r["img_s"] for r in rows if r["phase"].startswith("engine"))
     print(f"\nmodel {a.model} on {torch.cuda.get_device_name() if gpus else 'CPU'}; {a.clients} clients, "
           f"{a.duration:g}s per phase; replicas/GPU {a.replicas_per_gpu}, ingress replicas {a.ingress_replicas}, "
-          f"ingress batch {a.ingress_batch_size}, batcher {a.batcher}\n")  # fmt: skip
+          f"ingress batch {a.ingress_batch_size}, batcher {a.batcher}, serve mode {a.serve_mode}\n")  # fmt: skip
     print("| phase | img/s | p50 ms | p99 ms | % of engine |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:

@@ -71,12 +71,13 @@ class AppArgs(BaseModel):
         f"({CPU_MAX_BATCH_SIZE} with the CPU buckets).",
     )
     batch_wait_timeout_s: float = Field(
-        0.002, ge=0, description="How long @serve.batch waits for more requests after the first one."
+        0.002, ge=0, description="batcher='serve': how long @serve.batch waits for more requests after the first."
     )
     batcher: Literal["serve", "continuous"] = Field(
-        "serve",
-        description="'serve': @serve.batch with a patch-counting batch_size_fn. 'continuous': a batch is "
-        "whatever waits when the device becomes free (no timer, no idle wait).",
+        "continuous",
+        description="'continuous': a batch is whatever waits when the device becomes free (no timer, no idle "
+        "wait; deployments.batching). 'serve': @serve.batch with a patch-counting batch_size_fn, whose batches "
+        "hold what arrived within batch_wait_timeout_s, and every idle request waits that long.",
     )
 
     # -- encoder replicas ---------------------------------------------------------------------------------
@@ -101,8 +102,12 @@ class AppArgs(BaseModel):
     ingress_batch_size: int = Field(
         32, ge=0, description="Images the ingress merges into one encoder request (0 or 1: no ingress batching)."
     )
-    ingress_batch_wait_timeout_s: float = Field(0.002, ge=0, description="Ingress batching window.")
-    ingress_max_concurrent_batches: int = Field(16, gt=0, description="Merged requests in flight per ingress.")
+    ingress_max_concurrent_batches: int = Field(
+        2,
+        gt=0,
+        description="Merged encoder requests in flight per ingress; calls arriving meanwhile wait and "
+        "go together in the next one (no timer).",
+    )
     decode_threads: int = Field(4, gt=0, description="Threads per ingress decoding and resizing images.")
     max_request_images: int = Field(256, gt=0, description="Images one HTTP request may carry (else 413).")
 

@@ -7,8 +7,9 @@ request's patch total (413) before anything is decoded, decode and resize to uin
 size (`load_image` + `resize_image`), and the compact uint8 arrays go to an encoder replica with
 `encode_pixels(pixels, pooling=..., num_patches=n)`, retried (bounded, with backoff) when the replica
 died or is unavailable, under the request's time limit (504). Optionally (`ingress_batch_size` > 1)
-calls arriving within `ingress_batch_wait_timeout_s` are merged into one encoder request, so many
-one-image clients cost the encoder replica one Serve request.
+calls that queue while `ingress_max_concurrent_batches` merged encoder requests are in flight are merged
+into the next one (no timer: an idle call goes out at once), so many one-image clients cost the encoder
+replica few Serve requests.
 The request schema, decoding and error mapping are in `deployments.openai_api`; limits, admission and
 retries in `deployments.limits`; the API key and URL policy in `deployments.security`.
 """
@@ -37,6 +38,7 @@ from encoder.errors import EncoderError
 from encoder.preprocess import PreprocessConfig
 from encoder.preprocess_vit import preprocess_config_from_dump
 
+from .batching import ContinuousBatcher
 from .config import ENCODER_NAME, AppArgs
 from .limits import (
     Admission,
@@ -95,6 +97,10 @@ class Call:
     arrays: list[np.ndarray]
     counts: list[int]
     pooling: str
+
+    @property
+    def patches(self) -> int:
+        return sum(self.counts)
 
 
 def remote_call(method, *args, **kwargs):
@@ -157,6 +163,8 @@ _OPENAPI_BODY = {
 }
 # Bodies above this are parsed off the event loop.
 _PARSE_INLINE_BYTES = 256 * 1024
+# Encoder requests with more pixel bytes than this go by reference (object store), not inline over gRPC.
+_INLINE_BYTES = 2 * 2**20
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
@@ -167,6 +175,9 @@ class VisionIngress:
     def __init__(self, encoder: DeploymentHandle, args: dict):
         self.args = a = AppArgs.model_validate(args)
         self._encoder = encoder
+        # Big payloads go through Ray's object store (shared memory on one node, no gRPC message cap) even
+        # when Serve sends requests over gRPC (RAY_SERVE_THROUGHPUT_OPTIMIZED=1); small ones stay inline.
+        self._encoder_by_ref = encoder.options(_by_reference=True)
         self._model_name = a.model_name
         self._pool = ThreadPoolExecutor(a.decode_threads, thread_name_prefix="decode")
         self._info: dict | None = None
@@ -190,12 +201,10 @@ class VisionIngress:
         self._admission = Admission(a.inflight_limit)
         self._merge = None
         if a.ingress_batch_size > 1:
-            self._merge = serve.batch(
-                max_batch_size=a.ingress_batch_size,
-                batch_wait_timeout_s=a.ingress_batch_wait_timeout_s,
-                max_concurrent_batches=a.ingress_max_concurrent_batches,
-                batch_size_fn=lambda calls: sum(len(c.arrays) for c in calls),
-            )(self._run_merged)
+            limit = a.ingress_batch_size
+            self._merge = ContinuousBatcher(
+                self._run_merged, lambda patches, images: images <= limit, a.ingress_max_concurrent_batches
+            )
         logger.info(
             "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request",
             "required" if self._auth.enabled else "off",
@@ -304,9 +313,8 @@ class VisionIngress:
         parts = chunk(counts, info["max_batch_patches"], info["max_batch_images"])
 
         def call(s: int, e: int):
-            return lambda: remote_call(
-                self._encoder.encode_pixels, arrays[s:e], pooling=pooling, num_patches=sum(counts[s:e])
-            )
+            handle = self._encoder_by_ref if sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES else self._encoder
+            return lambda: remote_call(handle.encode_pixels, arrays[s:e], pooling=pooling, num_patches=sum(counts[s:e]))
 
         self._counts["encoder_requests"] += len(parts)
         if len(parts) == 1:
@@ -342,6 +350,7 @@ class VisionIngress:
             "peak_inflight": self._admission.peak,
             "inflight_limit": self._admission.limit,
             "rss_bytes": rss_bytes(),
+            "replica_id": serve.get_replica_context().replica_id.unique_id,
         }
 
     def _overloaded(self) -> BackPressureError:

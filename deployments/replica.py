@@ -18,8 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ from encoder.patch_batch import PatchBatch
 from encoder.preprocess import PreprocessConfig, patchify
 from workspace import GraphEncoder
 
+from .batching import ContinuousBatcher
 from .config import AppArgs, batch_limits, bucket_table, resolve_device, resolve_num_gpus
 from .metrics import ReplicaMetrics
 
@@ -100,59 +100,6 @@ def stack_patchify(arrays: list[np.ndarray], pp: PreprocessConfig, device: torch
     return PatchBatch(parts[0] if len(parts) == 1 else torch.cat(parts), grid)
 
 
-class ContinuousBatcher:
-    """A batch is whatever waits when the previous batch finishes: no timer, no idle wait.
-
-    `run(works) -> results` runs one batch; `limit_of(patches, images)` says whether a batch fits.
-    """
-
-    def __init__(self, run: Callable[[list[Work]], Awaitable[list]], fits: Callable[[int, int], bool]):
-        self._run, self._fits = run, fits
-        self._queue: deque[tuple[Work, asyncio.Future]] = deque()
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-
-    async def __call__(self, work: Work):
-        loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done():
-            self._wake = asyncio.Event()
-            self._task = loop.create_task(self._loop())
-        future = loop.create_future()
-        self._queue.append((work, future))
-        self._wake.set()
-        return await future
-
-    async def _loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            batch, futures, patches, images = [], [], 0, 0
-            while self._queue:
-                work, future = self._queue[0]
-                if future.cancelled():
-                    self._queue.popleft()
-                    continue
-                if batch and not self._fits(patches + work.patches, images + len(work.counts)):
-                    break
-                self._queue.popleft()
-                batch.append(work)
-                futures.append(future)
-                patches, images = patches + work.patches, images + len(work.counts)
-            if not self._queue:
-                self._wake.clear()
-            if not batch:
-                continue
-            try:
-                results = await self._run(batch)
-            except Exception as e:  # noqa: BLE001 - every caller of the batch gets the error
-                for f in futures:
-                    if not f.done():
-                        f.set_exception(e)
-            else:
-                for f, r in zip(futures, results, strict=True):
-                    if not f.done():
-                        f.set_result(r)
-
-
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.5}, health_check_period_s=10)
 class EncoderReplica:
     """Serve deployment of one encoder: `encode_pixels` for the ingress, stats for routers and tests."""
@@ -172,6 +119,8 @@ class EncoderReplica:
         self._fatal: BaseException | None = None
         self._queued: Counter[str] = Counter()
         self._queued_patches = 0
+        # batches run, requests and images in them, seconds the device thread spent on them
+        self._batches = {"batches": 0, "batched_requests": 0, "batched_images": 0, "busy_seconds": 0.0}
         self.metrics = ReplicaMetrics()
         if a.batcher == "continuous":
             self._submit = ContinuousBatcher(self._run_batch, self._fits)
@@ -257,6 +206,11 @@ class EncoderReplica:
             if _sticky_device_error(e):
                 self._fatal = e  # a sticky device error: fail health checks so Serve replaces this replica
             raise
+        b = self._batches
+        b["batches"] += 1
+        b["batched_requests"] += len(works)
+        b["batched_images"] += sum(len(w.counts) for w in works)
+        b["busy_seconds"] += time.perf_counter() - started
         self.metrics.batch(
             requests=len(works),
             images=sum(len(w.counts) for w in works),
@@ -421,5 +375,7 @@ class EncoderReplica:
         }
 
     def stats(self) -> dict:
-        """The engine's counters (captures, replays per budget, eager runs, patches) plus queue state."""
-        return self.engine.stats() | self.record_routing_stats()
+        """The engine's counters (captures, replays per budget, eager runs, patches), this replica's batches
+        (count, requests and images in them, busy seconds) and queue state."""
+        replica = serve.get_replica_context().replica_id.unique_id
+        return self.engine.stats() | dict(self._batches) | self.record_routing_stats() | {"replica_id": replica}

@@ -1,8 +1,8 @@
 """The Serve application on CPU Ray: HTTP (OpenAI shape), the openai client, handles, errors, health.
 
 One deployment for the module: the `tiny` preset, two encoder replicas with the continuous batcher
-(the YAML and the examples' deployments use @serve.batch), ingress batching with a wide window (so
-concurrent calls are merged whatever the machine's load). Service embeddings are compared
+and ingress merging (calls that queue while the ingress's merged requests are in flight go together).
+Service embeddings are compared
 with `VisionEncoder.encode` on the same images (same preset and seed: same random weights).
 """
 
@@ -30,7 +30,6 @@ APP_ARGS = {
     "num_replicas": 2,
     "batcher": "continuous",
     "max_request_images": 8,
-    "ingress_batch_wait_timeout_s": 0.05,
 }
 ATOL = 1e-4
 

@@ -13,6 +13,7 @@ import torch
 from images_util import encode, random_array, random_image
 from pydantic import ValidationError
 
+from deployments.batching import ContinuousBatcher
 from deployments.config import AppArgs, batch_limits, bucket_table, resolve_device, resolve_num_gpus
 from deployments.ingress import chunk, encoder_ready
 from deployments.openai_api import (
@@ -23,7 +24,7 @@ from deployments.openai_api import (
     prepare_image,
     with_index,
 )
-from deployments.replica import ContinuousBatcher, Work, check_pixels, stack_patchify
+from deployments.replica import Work, check_pixels, stack_patchify
 from encoder.errors import (
     ConfigError,
     EncoderError,
@@ -263,6 +264,37 @@ def test_continuous_batcher_propagates_errors_and_skips_cancelled():
 
     a, c = asyncio.run(scenario())
     assert isinstance(a, InvalidArgumentError) and c == 3 and 2 not in seen
+
+
+def test_continuous_batcher_runs_up_to_max_concurrent_batches_and_merges_the_rest():
+    running, peak, batches = 0, 0, []
+    release, two_running = asyncio.Event(), asyncio.Event()
+
+    async def run(works):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        if running == 2:
+            two_running.set()
+        batches.append([w.patches for w in works])
+        await release.wait()
+        running -= 1
+        return [-w.patches for w in works]
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, lambda p, n: n <= 4, max_concurrent=2)
+        first = [asyncio.create_task(batcher(_work(i + 1))) for i in range(2)]
+        await asyncio.wait_for(two_running.wait(), 5)  # both start at once, each alone: two free slots
+        assert batches == [[1], [2]] and batcher.queued == 0
+        rest = [asyncio.create_task(batcher(_work(i + 3))) for i in range(6)]
+        await asyncio.sleep(0)
+        assert batcher.queued == 6 and len(batches) == 2  # both slots busy: the others wait
+        release.set()
+        return await asyncio.gather(*first, *rest)
+
+    assert asyncio.run(scenario()) == [-(i + 1) for i in range(8)]
+    assert peak == 2
+    assert batches[2:] == [[3, 4, 5, 6], [7, 8]]  # freed slots took what waited, up to 4 images each
 
 
 def test_bucket_router_is_the_default_and_ray_default_is_selectable():
