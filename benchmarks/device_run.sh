@@ -6,7 +6,11 @@
 #   profile  benchmarks/profile_engine.py
 #   clip     benchmarks/clip.py
 #   batch    benchmarks/batch.py --as-checkpoint (20,000 224x224 JPEGs)
-#   service  benchmarks/service.py (handles, HTTP)
+#   batch100k  the same with 100,000 JPEGs (start-up amortised)
+#   ckpt     export the qwen2.5-vl-7b preset to /tmp/ckpt-7b (replicas then load it instead of drawing weights)
+#   service  benchmarks/service.py, HAProxy/throughput mode, 2 replicas per GPU, router comparison
+#   service1 the same with 1 replica per GPU, no router comparison
+#   servicedefault  2 replicas per GPU through Ray's default request path (Python proxy, actor calls)
 # Ray/pydantic come from the carried pack: see ../shared/device/pack-ray.sh.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -25,9 +29,20 @@ for s in $steps; do
     clip) timeout 150 python3 benchmarks/clip.py > "$OUT/clip.md" 2>&1 ;;
     batch) timeout 240 python3 benchmarks/batch.py --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \
              > "$OUT/batch.log" 2>&1 ;;
-    service) timeout 200 python3 benchmarks/service.py --model qwen2.5-vl-7b --replicas-per-gpu 2 --ingress-replicas 6 \
-               --client-procs 8 --batcher continuous --duration 6 --json "$OUT/service.json" 2>&1 \
-               | grep -v "pid=" | tail -30 > "$OUT/service.md" ;;
+    batch100k) timeout 400 python3 benchmarks/batch.py --as-checkpoint --num-images 100000 \
+                 --markdown "$OUT/batch100k.md" > "$OUT/batch100k.log" 2>&1 ;;
+    ckpt) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+            from batch import export_preset; export_preset('qwen2.5-vl-7b', Path('/tmp/ckpt-7b'))" > "$OUT/ckpt.log" 2>&1 ;;
+    service|service1|servicedefault)
+      model=qwen2.5-vl-7b; [ -d /tmp/ckpt-7b ] && model=/tmp/ckpt-7b
+      case $s in
+        service) extra="--replicas-per-gpu 2 --router-compare" ;;
+        service1) extra="--replicas-per-gpu 1" ;;
+        servicedefault) extra="--replicas-per-gpu 2 --serve-mode default" ;;
+      esac
+      timeout 400 python3 benchmarks/service.py --model "$model" $extra --ingress-replicas 6 --client-procs 4 \
+        --duration 6 --json "$OUT/$s.json" > "$OUT/$s.log" 2>&1
+      grep -v "pid=" "$OUT/$s.log" | grep -E "^\||^  \[|^  ingress|^model|deployed in" > "$OUT/$s.md" ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - start ))s" >> "$OUT/gpu.txt"
 done
