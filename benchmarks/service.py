@@ -290,6 +290,53 @@ async def measured(a, name: str, kind: str, target, payloads, clients: int, per_
     return result
 
 
+async def timed(name: str, call, seconds: float = 2.0) -> dict:
+    """One caller, calls back to back for `seconds` (after 5 unmeasured): a row of idle latencies."""
+    for _ in range(5):
+        await call()
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        await call()
+        times.append(time.perf_counter() - t)
+    return {"phase": name, "img_s": len(times) / seconds, "p50_ms": pct(times, 50) * 1e3,
+            "p99_ms": pct(times, 99) * 1e3, "calls": len(times)}  # fmt: skip
+
+
+async def idle_breakdown(handle, base_url: str, img: np.ndarray, body: bytes) -> list[dict]:
+    """Where an idle request's time goes: one Serve hop, the encoder replica, the ingress, HTTP."""
+    import aiohttp
+    from ray import serve
+
+    enc = serve.get_deployment_handle("VisionEncoder", "bench")
+    n = (img.shape[0] // 14) * (img.shape[1] // 14)
+    png = json.loads(body)["input"][0]
+    b64_body = json.dumps({"input": [png], "encoding_format": "base64"}).encode()
+    rows = [
+        await timed("idle: encoder describe (1 hop, no work)", lambda: enc.describe.remote()),
+        await timed(
+            "idle: encoder encode_pixels (1 hop + replica)",
+            lambda: enc.encode_pixels.remote([img], pooling="mean", num_patches=n),
+        ),  # fmt: skip
+        await timed("idle: embed uint8 (2 hops)", lambda: handle.embed.remote([img])),
+        await timed("idle: embed PNG data URL (2 hops + decode)", lambda: handle.embed.remote([png])),
+    ]
+    async with aiohttp.ClientSession(headers={"content-type": "application/json"}) as session:
+
+        async def get_models():
+            async with session.get(f"{base_url}/v1/models") as r:
+                await r.read()
+
+        async def post_b64():
+            async with session.post(f"{base_url}/v1/embeddings", data=b64_body) as r:
+                assert r.status == 200, r.status
+                await r.read()
+
+        rows.append(await timed("idle: HTTP GET /v1/models (no encoder)", get_models))
+        rows.append(await timed("idle: HTTP POST PNG, base64 answer", post_b64))
+    return rows
+
+
 async def service_phases(a, gpus: int, base_url: str) -> list[dict]:
     from ray import serve
 
@@ -307,6 +354,7 @@ async def service_phases(a, gpus: int, base_url: str) -> list[dict]:
     rows.append(row("http idle (1 conn)", idle))
     idle = await run_load("handle", handle, [[x] for x in imgs], 1, min(a.duration, 5))
     rows.append(row("handle idle (1 caller)", idle))
+    rows += await idle_breakdown(handle, base_url, imgs[0], bodies[0])
     for rid, stats in sorted((await replica_stats(handle.ingress_stats, 4 * a.ingress_replicas)).items()):
         print(f"  ingress replica {rid}: {stats}", file=sys.stderr)
     serve.delete("bench")

@@ -31,8 +31,10 @@ class ContinuousBatcher:
 
     `run(items) -> results` runs one batch (one result per item, in order); `fits(patches, images)` says
     whether a batch of that size is allowed (a single item always runs, even alone above the limits);
-    at most `max_concurrent` batches run at once. An exception from `run` goes to every caller of that
-    batch; callers cancelled while queued are dropped before the batch is formed.
+    at most `max_concurrent` batches run at once. `keep(items) -> k` (optional) may shorten a formed
+    batch to its first k items; the rest go back to the front of the queue, first in the next batch.
+    An exception from `run` goes to every caller of that batch; callers cancelled while queued are
+    dropped before the batch is formed.
     """
 
     def __init__(
@@ -40,10 +42,11 @@ class ContinuousBatcher:
         run: Callable[[list[Any]], Awaitable[list]],
         fits: Callable[[int, int], bool],
         max_concurrent: int = 1,
+        keep: Callable[[list[Any]], int] | None = None,
     ):
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-        self._run, self._fits, self._slots = run, fits, max_concurrent
+        self._run, self._fits, self._slots, self._keep = run, fits, max_concurrent, keep
         self._queue: deque[tuple[Sized, asyncio.Future]] = deque()
         self._running = 0
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
@@ -72,6 +75,11 @@ class ContinuousBatcher:
             batch.append(item)
             futures.append(future)
             patches, images = patches + item.patches, images + len(item.counts)
+        if self._keep is not None and len(batch) > 1:
+            k = min(max(1, self._keep(batch)), len(batch))
+            for item, future in zip(reversed(batch[k:]), reversed(futures[k:]), strict=True):
+                self._queue.appendleft((item, future))
+            del batch[k:], futures[k:]
         return batch, futures
 
     def _dispatch(self) -> None:

@@ -71,7 +71,14 @@ counts only this router's requests). `choose_replicas` returns ranked groups and
 replica with the lowest queue length inside the first group that has one with room
 (queue < max_ongoing_requests):
 
+    [owners not saturated, queue < idle_spill_queue_len], [others with an empty queue],
     [owners not saturated], [others not saturated], [owners saturated], [others saturated], [not ready]
+
+The second group is work conservation (`idle_spill_queue_len`, default 2): a replica with nothing to
+do takes a request whose owners already have a batch running and one waiting. Measured on one H200
+with two replicas and uniform 224x224 traffic, the owner of the small buckets otherwise got every
+request and ran 86% of the batches while the other replica idled; a replica busy with other sizes is
+never idle, so it gets none of them and the size separation holds under mixed load.
 
 preceded by `owner_only_rounds` (default 1) rounds of `[owners not saturated]` alone, so that an
 owner whose queue length is unknown and whose probe misses Ray's 0.1 s deadline once gets a second
@@ -203,6 +210,11 @@ class BucketRouterConfig(BaseModel):
     spill_patches: int | None = Field(default=None, ge=0)
     """Owner saturated when this router has >= this many patches in flight on it; None: 2 x the
     largest budget, 0: off."""
+    idle_spill_queue_len: int | None = Field(default=2, ge=1)
+    """Work conservation: when every unsaturated owner has at least this many requests (a batch running
+    and one waiting), a non-owner with none at all takes the request before the owners queue it; None:
+    off. Uniform traffic (every request in one bucket) then keeps every replica busy, while a non-owner
+    busy with other sizes never gets one (it is not idle)."""
     owner_only_rounds: int = Field(default=1, ge=0)
     """Routing rounds that offer only the unsaturated owners before the full ranking. An owner is
     skipped in a round when it has no fresh queue length and its probe misses Ray's deadline (0.1 s,
@@ -520,29 +532,41 @@ class BucketRouter(LocalityMixin, RequestRouter):
             return self._choose_default(candidate_replicas, pending_request)
         plan = self.plan(candidate_replicas)
         owners = plan.owners[self.bucket_for(plan, size)]
-        owners_ok: list[RunningReplica] = []
+        owners_light: list[RunningReplica] = []  # unsaturated, below the idle-spill queue length (or unknown)
+        owners_ok: list[RunningReplica] = []  # unsaturated, at or above it
+        others_idle: list[RunningReplica] = []  # non-owners known to have no request at all
         others_ok: list[RunningReplica] = []
         owners_busy: list[RunningReplica] = []
         others_busy: list[RunningReplica] = []
         not_ready: list[RunningReplica] = []
+        idle_spill = self._config.idle_spill_queue_len
         for replica in candidate_replicas:
+            owner = replica.replica_id in owners
+            queue_len = self._replica_queue_len_cache.get(replica.replica_id)
             if replica.replica_id in plan.not_ready:
                 not_ready.append(replica)
             elif self.is_saturated(replica, plan):
-                (owners_busy if replica.replica_id in owners else others_busy).append(replica)
+                (owners_busy if owner else others_busy).append(replica)
+            elif owner:
+                heavy = idle_spill is not None and queue_len is not None and queue_len >= idle_spill
+                (owners_ok if heavy else owners_light).append(replica)
+            elif idle_spill is not None and queue_len == 0:
+                others_idle.append(replica)
             else:
-                (owners_ok if replica.replica_id in owners else others_ok).append(replica)
+                others_ok.append(replica)
         if pending_request is not None:
             context = pending_request.routing_context
             rounds = getattr(context, "bucket_owner_rounds", 0)
-            if owners_ok and rounds < self._config.owner_only_rounds:
+            first = owners_light or (owners_ok if not others_idle else [])
+            if first and rounds < self._config.owner_only_rounds:
                 # Owners only, and no backoff: Ray retries at once with a doubled probe deadline.
                 context.bucket_owner_rounds = rounds + 1
                 context.should_backoff = False
-                return [owners_ok]
+                return [first]
             # Every replica is in some group: if none had room, back off before the next round.
             context.should_backoff = True
-        return [group for group in (owners_ok, others_ok, owners_busy, others_busy, not_ready) if group]
+        groups = (owners_light, others_idle, owners_ok, others_ok, owners_busy, others_busy, not_ready)
+        return [group for group in groups if group]
 
     def _choose_default(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None

@@ -80,6 +80,9 @@ class FakeResult:
 
 
 def make_router(**kwargs) -> BucketRouter:
+    """Most tests check affinity and the saturation spill alone: the idle-spill rule is off unless given
+    (its own tests turn it on)."""
+    kwargs.setdefault("idle_spill_queue_len", None)
     router = BucketRouter(
         deployment_id=DEPLOYMENT,
         handle_source=DeploymentHandleSource.UNKNOWN,
@@ -556,6 +559,63 @@ def test_ranked_groups():
     run(body())
 
 
+def test_an_idle_replica_takes_requests_whose_owner_has_a_queue():
+    """Uniform traffic: the owner of the bucket runs one batch with one waiting, the idle replica gets
+    the next request; once it has work it is no longer idle and the owner queues again."""
+
+    async def body():
+        router = make_router(spill_queue_len=100, spill_patches=0, idle_spill_queue_len=2)
+        a, b = FakeReplica("a", TWO_STATS, max_ongoing=100), FakeReplica("b", TWO_STATS, max_ongoing=100)
+        router.update_replicas([a, b])
+        await settle(router)
+        assert [(await route(router, 200)).uid for _ in range(5)] == ["a", "a", "b", "a", "a"]
+        b.queue_len = 0  # b finished its request; the next probe or send reports it
+        router.on_new_queue_len_info(b.replica_id, 0)
+        assert (await route(router, 200)).uid == "b"
+        # large requests: b owns them and is light; a (queue 4) is not idle, so never a spill target
+        assert [(await route(router, 3000)).uid for _ in range(4)] == ["b"] * 4
+
+    run(body())
+
+
+def test_a_non_owner_busy_with_other_sizes_never_takes_the_idle_spill():
+    """Mixed load: small images queue at their owner rather than join the large images' replica."""
+
+    async def body():
+        router = make_router(spill_queue_len=100, spill_patches=0, idle_spill_queue_len=2)
+        a, b = FakeReplica("a", TWO_STATS, max_ongoing=100), FakeReplica("b", TWO_STATS, max_ongoing=100)
+        router.update_replicas([a, b])
+        await settle(router)
+        assert (await route(router, 3000)).uid == "b"  # b holds one large request
+        assert [(await route(router, 200)).uid for _ in range(30)] == ["a"] * 30
+        pr = request(200)
+        assert [[r.uid for r in g] for g in await router.choose_replicas(router._replicas_list, pr)] == [["a"]]
+        groups = await router.choose_replicas(router._replicas_list, pr)  # the next round: the full ranking
+        assert [[r.uid for r in g] for g in groups] == [["a"], ["b"]]  # owner (not saturated), then b
+
+    run(body())
+
+
+def test_ranked_groups_with_idle_spill():
+    async def body():
+        router = make_router(spill_queue_len=5, spill_patches=0, idle_spill_queue_len=2)
+        r = [FakeReplica(f"r{i}", TWO_STATS, max_ongoing=10) for i in range(4)]
+        router.update_replicas(r)
+        await settle(router)
+        for replica, queue_len in zip(r, (1, 3, 0, 2), strict=True):
+            router.on_new_queue_len_info(replica.replica_id, queue_len)
+        uids = lambda groups: [[x.uid for x in g] for g in groups]  # noqa: E731
+        # owners of 256: r0 (light), r1 (heavy); r2 idle; r3 busy with 2 but unsaturated
+        pr = request(200)
+        assert uids(await router.choose_replicas(router._replicas_list, pr)) == [["r0"]]
+        assert uids(await router.choose_replicas(router._replicas_list, pr)) == [["r0"], ["r2"], ["r1"], ["r3"]]
+        router.on_new_queue_len_info(r[0].replica_id, 2)
+        # no light owner and an idle replica: the full ranking at once, the idle replica first
+        assert uids(await router.choose_replicas(router._replicas_list, request(200))) == [["r2"], ["r0", "r1"], ["r3"]]
+
+    run(body())
+
+
 class SlowProbeReplica(FakeReplica):
     async def get_queue_len(self, *, deadline_s: float) -> int:
         self.probes += 1
@@ -655,7 +715,10 @@ def test_router_kwargs_are_validated():
     with pytest.raises(BucketError):
         make_router(buckets="256,abc")
     router = make_router(spill_fraction=0.25, assignment="rendezvous", buckets=[256, 1024])
-    assert router.config == BucketRouterConfig(spill_fraction=0.25, assignment="rendezvous", buckets=[256, 1024])
+    assert router.config == BucketRouterConfig(
+        spill_fraction=0.25, assignment="rendezvous", buckets=[256, 1024], idle_spill_queue_len=None
+    )
+    assert BucketRouterConfig().idle_spill_queue_len == 2  # on by default
     assert router.spill_queue_len(FakeReplica("a", max_ongoing=512)) == 128
     assert router.spill_queue_len(FakeReplica("a", max_ongoing=1)) == 1
 

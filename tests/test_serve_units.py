@@ -297,6 +297,41 @@ def test_continuous_batcher_runs_up_to_max_concurrent_batches_and_merges_the_res
     assert batches[2:] == [[3, 4, 5, 6], [7, 8]]  # freed slots took what waited, up to 4 images each
 
 
+def test_continuous_batcher_keep_leaves_the_rest_first_in_line():
+    batches: list[list[int]] = []
+
+    async def run(works):
+        batches.append([w.patches for w in works])
+        await asyncio.sleep(0.01)
+        return [w.patches for w in works]
+
+    async def scenario():
+        # keep at most 2 of a formed batch; the limit alone would allow 10
+        batcher = ContinuousBatcher(run, lambda p, n: n <= 10, keep=lambda works: 2)
+        first = asyncio.create_task(batcher(_work(1)))
+        await asyncio.sleep(0)
+        rest = [asyncio.create_task(batcher(_work(i + 2))) for i in range(5)]
+        return await asyncio.gather(first, *rest)
+
+    assert asyncio.run(scenario()) == [1, 2, 3, 4, 5, 6]
+    assert batches == [[1], [2, 3], [4, 5], [6]]  # order kept: the trimmed requests lead the next batch
+
+
+def test_replica_keeps_the_prefix_with_the_best_patches_per_replay_cost():
+    from deployments.replica import EncoderReplica
+    from workspace.buckets import default_table
+
+    replica = SimpleNamespace(engine=SimpleNamespace(table=default_table()), _fixed_cost=512)
+    keep = lambda counts: EncoderReplica.func_or_class._keep(replica, [_work(c) for c in counts])  # noqa: E731
+    assert keep([256] * 17) == 16  # 4352 patches would replay the 8192 bucket: 16 fill 4096 exactly
+    assert keep([256] * 32) == 32  # a full 8192 bucket
+    assert keep([256] * 3) == 3  # 768 in the 1024 bucket costs what 512 does per patch: the longer one
+    assert keep([256, 256]) == 2
+    assert keep([9216, 256]) == 2  # 9472 patches -> 16384 bucket beats 9216 alone in the same bucket
+    assert keep([256] * 16 + [9216]) == 16  # a big image that would double the bucket waits for the next batch
+    assert keep([300]) == 1
+
+
 def test_bucket_router_is_the_default_and_ray_default_is_selectable():
     from deployments.config import AppArgs
 
