@@ -11,7 +11,9 @@
 #   service  benchmarks/service.py, HAProxy/throughput mode, 2 replicas per GPU, router comparison
 #   service1 the same with 1 replica per GPU, no router comparison
 #   servicedefault  2 replicas per GPU through Ray's default request path (Python proxy, actor calls)
-# Ray/pydantic come from the carried pack: see ../shared/device/pack-ray.sh.
+#   service1slot    2 replicas per GPU, one merged encoder request in flight per ingress
+# Ray/pydantic come from the carried pack: see ../shared/device/pack-ray.sh; wheels the pack lacks (orjson)
+# are carried in .device/ as well: `python3 -m zipfile -e .device/orjson-*.whl /tmp/site`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,12 +35,13 @@ for s in $steps; do
                  --markdown "$OUT/batch100k.md" > "$OUT/batch100k.log" 2>&1 ;;
     ckpt) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
             from batch import export_preset; export_preset('qwen2.5-vl-7b', Path('/tmp/ckpt-7b'))" > "$OUT/ckpt.log" 2>&1 ;;
-    service|service1|servicedefault)
+    service|service1|servicedefault|service1slot)
       model=qwen2.5-vl-7b; [ -d /tmp/ckpt-7b ] && model=/tmp/ckpt-7b
       case $s in
         service) extra="--replicas-per-gpu 2 --router-compare" ;;
         service1) extra="--replicas-per-gpu 1" ;;
         servicedefault) extra="--replicas-per-gpu 2 --serve-mode default" ;;
+        service1slot) extra="--replicas-per-gpu 2 --ingress-slots 1" ;;
       esac
       timeout 400 python3 benchmarks/service.py --model "$model" $extra --ingress-replicas 6 --client-procs 4 \
         --duration 6 --json "$OUT/$s.json" > "$OUT/$s.log" 2>&1

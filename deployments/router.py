@@ -550,8 +550,8 @@ class BucketRouter(LocalityMixin, RequestRouter):
             elif owner:
                 heavy = idle_spill is not None and queue_len is not None and queue_len >= idle_spill
                 (owners_ok if heavy else owners_light).append(replica)
-            elif idle_spill is not None and queue_len == 0:
-                others_idle.append(replica)
+            elif idle_spill is not None and queue_len == 0 and not self.inflight_patches(replica.replica_id):
+                others_idle.append(replica)  # idle by Ray's cached length and by this router's own requests
             else:
                 others_ok.append(replica)
         if pending_request is not None:
