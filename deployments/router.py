@@ -74,16 +74,17 @@ replica with the lowest queue length inside the first group that has one with ro
     [owners not saturated, queue < idle_spill_queue_len], [others with an empty queue],
     [owners not saturated], [others not saturated], [owners saturated], [others saturated], [not ready]
 
-The second group is work conservation (`idle_spill_queue_len`, default 2): a replica with nothing to
-do takes a request whose owners already have a batch running and one waiting. Measured on one H200
-with two replicas and uniform 224x224 traffic, the owner of the small buckets otherwise got every
-request and ran 86% of the batches while the other replica idled; a replica busy with other sizes is
-never idle, so it gets none of them and the size separation holds under mixed load.
-
-preceded by `owner_only_rounds` (default 1) rounds of `[owners not saturated]` alone, so that an
+preceded by `owner_only_rounds` (default 1) rounds of the first group alone (all unsaturated owners when
+no other replica is idle), so that an
 owner whose queue length is unknown and whose probe misses Ray's 0.1 s deadline once gets a second
 probe (0.2 s) before its requests spill. A selection is counted in Ray's queue-length cache at once
 (not when the request is sent), so a burst routed in one go sees its own earlier picks.
+
+The second group is work conservation (`idle_spill_queue_len`, default 2): a replica with nothing to
+do takes a request whose owners already have a batch running and one waiting. Measured on one H200
+with two replicas and uniform 224x224 traffic, the owner of the small buckets otherwise got 96% of
+the requests (88% of the images) while the other replica idled; a replica busy with other sizes is
+never idle, so it gets none of them and the size separation holds under mixed load.
 
 Ray mixins: `LocalityMixin` is used for the fallback path only. `FIFOMixin` is deliberately not used:
 it hands a replica found for one request to the oldest pending request, whatever its bucket, which
