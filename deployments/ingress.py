@@ -76,10 +76,14 @@ logger = logging.getLogger("ray.serve")
 
 
 def encoder_ready(status, app_name: str) -> tuple[bool, str]:
-    """Whether `serve.status()` shows every target encoder replica of the app running.
+    """Whether `serve.status()` shows the app's encoder replicas running.
 
     A replica is RUNNING only after its constructor returned, and the constructor captures every
     bucket graph, so HEALTHY (running == target, health checks passing) means all graphs are captured.
+    While the deployment is first deployed or updated (UPDATING) the answer is no. While the autoscaler
+    adds or removes replicas (UPSCALING / DOWNSCALING) the running replicas keep serving with their graphs
+    captured, and a replica joins the routing only once running, so the answer stays yes: a load balancer
+    must not pull every ingress because the service is growing.
     """
     app = status.applications.get(app_name)
     dep = app.deployments.get(ENCODER_NAME) if app is not None else None
@@ -87,7 +91,8 @@ def encoder_ready(status, app_name: str) -> tuple[bool, str]:
         return False, f"deployment {ENCODER_NAME} not found in application {app_name!r}"
     running = sum(n for state, n in dep.replica_states.items() if state == "RUNNING")
     state = getattr(dep.status, "value", dep.status)
-    return state == "HEALTHY" and running > 0, f"{ENCODER_NAME}: {state}, {running} replica(s) running"
+    serving = state in ("HEALTHY", "UPSCALING", "DOWNSCALING")
+    return serving and running > 0, f"{ENCODER_NAME}: {state}, {running} replica(s) running"
 
 
 @dataclass
