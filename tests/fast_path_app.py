@@ -8,6 +8,8 @@ import io
 import json
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,13 +25,85 @@ import deployments  # noqa: E402
 import encoder  # noqa: E402
 
 
+@ray.remote(num_cpus=0)
+class Switch:
+    """A held replica batch waits on `wait` until `release` (see EncoderReplica.inject_fault)."""
+
+    def __init__(self):
+        import asyncio
+
+        self.event, self.waiting = asyncio.Event(), 0
+
+    async def wait(self):
+        self.waiting += 1
+        await self.event.wait()
+
+    async def release(self):
+        self.event.set()
+
+    async def waiters(self) -> int:
+        return self.waiting
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def kill_under_load(handle, base: str, url: str, expected: np.ndarray) -> dict:
+    """8 HTTP clients in a closed loop; a batch is held inside one encoder replica, which is then killed:
+    every request must still be answered, and right (the ingress retries on the other replica)."""
+    results: list[bool] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                r = c.post(f"{base}/v1/embeddings", json={"input": [url]})
+                ok = r.status_code == 200 and np.allclose(r.json()["data"][0]["embedding"], expected, atol=1e-4)
+                results.append(ok)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    switch = Switch.remote()
+    try:
+        wait_until(lambda: len(results) >= 16, 120, "the closed loop to warm up")
+        encoder_handle = serve.get_deployment_handle("VisionEncoder", "vision")
+        retries = sum(s["encoder_retries"] for s in ingress_stats(handle))
+        victim = encoder_handle.inject_fault.remote("hold", switch=switch).result(timeout_s=60)
+        wait_until(lambda: ray.get(switch.waiters.remote()) >= 1, 60, "a batch held in the victim")
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        at_kill = len(results)
+        wait_until(lambda: len(results) >= at_kill + 48, 120, "requests after the kill")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        ray.get(switch.release.remote())
+    return {
+        "kill_requests": len(results),
+        "kill_failures": results.count(False),
+        "kill_retries": sum(s["encoder_retries"] for s in ingress_stats(handle)) - retries,
+    }
+
+
+def ingress_stats(handle) -> list[dict]:
+    return [handle.ingress_stats.remote().result(timeout_s=60)]  # one ingress replica
+
+
 def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    handle = serve.run(deployments.build_app({"model": "tiny", "num_replicas": 2}), name="vision", route_prefix="/")
+    args = {"model": "tiny", "num_replicas": 2, "enable_fault_injection": True, "encoder_retries": 5,
+            "health_check_period_s": 0.5, "ingress_batch_size": 0}  # fmt: skip
+    handle = serve.run(deployments.build_app(args), name="vision", route_prefix="/")
     rng = np.random.default_rng(7)
     images = [rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for _ in range(32)]  # 4.8 MB in one call
     got = handle.embed.remote(images).result(timeout_s=300)
@@ -40,6 +114,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     ok = httpx.post(f"{base}/v1/embeddings", json={"input": [url]}, timeout=120)
     bad = httpx.post(f"{base}/v1/embeddings", json={"input": ["not base64 at all!"]}, timeout=120)
+    kill = kill_under_load(handle, base, url, want[0].numpy())
     print(
         "RESULT",
         json.dumps(
@@ -51,6 +126,7 @@ def main() -> None:
                 "bad_status": bad.status_code,
                 "bad_code": bad.json()["error"]["code"],
             }
+            | kill
         ),
         flush=True,
     )

@@ -4,7 +4,8 @@ calls over gRPC, user code on the replicas' loops) with HAProxy in front of the 
 The flags are read when Ray's processes start, so the app runs on a Ray instance of its own in a child
 process (`fast_path_app.py`). A sync pipeline driver keeps its handle router on a separate loop
 (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=1), as the README says; one `embed` call carries 32 224x224
-arrays (4.8 MB, over gRPC's default 4 MiB message cap, hence the raised cap).
+arrays (4.8 MB, over gRPC's default 4 MiB message cap, hence the raised cap). An encoder replica killed
+with a batch inside loses no HTTP request (the ingress retries it on the other replica).
 """
 
 from __future__ import annotations
@@ -39,3 +40,6 @@ def test_app_serves_handles_and_http_through_haproxy_and_grpc():
     assert result["handle_max_abs_diff"] < 1e-4  # equal to VisionEncoder.encode on the same images
     assert result["http_status"] == 200 and result["http_max_abs_diff"] < 1e-4
     assert (result["bad_status"], result["bad_code"]) == (400, "invalid_base64")
+    # an encoder replica killed with a batch inside: nothing lost, the ingress retried elsewhere
+    assert result["kill_requests"] >= 64 and result["kill_failures"] == 0, result
+    assert result["kill_retries"] >= 1, result
