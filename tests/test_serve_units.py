@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from images_util import encode, random_array, random_image
+from PIL import Image
 from pydantic import ValidationError
 
 from deployments.batching import ContinuousBatcher
@@ -335,6 +336,18 @@ def test_replica_keeps_the_prefix_with_the_best_patches_per_replay_cost():
     assert keep([9216, 256]) == 2  # 9472 patches -> 16384 bucket beats 9216 alone in the same bucket
     assert keep([256] * 16 + [9216]) == 16  # a big image that would double the bucket waits for the next batch
     assert keep([300]) == 1
+
+
+def test_ingress_decodes_only_small_pictures_on_its_event_loop():
+    from deployments.ingress import _INLINE_DECODE_PIXELS, _small, _source_pixels
+    from deployments.limits import open_input
+
+    small_png = encode(random_image("RGB", 224, 224, 1), "PNG")
+    flat = encode(Image.new("RGB", (3000, 2000), (9, 9, 9)), "PNG")  # 9 MB of pixels in a few KB
+    assert _small(small_png) and _small(flat) and not _small(b"x" * (1 << 20))
+    assert _source_pixels(open_input(small_png, PP)) == 224 * 224 <= _INLINE_DECODE_PIXELS
+    assert _source_pixels(open_input(flat, PP)) == 3000 * 2000 > _INLINE_DECODE_PIXELS  # decoded in the pool
+    assert _source_pixels(open_input(np.zeros((56, 84, 3), np.uint8), PP)) == 56 * 84
 
 
 def test_bucket_router_is_the_default_and_ray_default_is_selectable():
