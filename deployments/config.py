@@ -81,6 +81,13 @@ class AppArgs(BaseModel):
         "patches per (this + its bucket's budget), so a batch just over a bucket boundary leaves the excess "
         "for the next batch instead of padding to the next bucket. None: take everything that fits.",
     )
+    gil_switch_interval_s: float | None = Field(
+        0.0005,
+        gt=0,
+        description="Python's GIL switch interval in encoder replicas (sys.setswitchinterval). The device thread "
+        "waits in GIL-releasing calls while the event loop unpickles requests; coming back it waits for the "
+        "GIL up to this long each time (Python's default 5 ms; benchmarks/gil_convoy.py). None: leave it.",
+    )
     batcher: Literal["serve", "continuous"] = Field(
         "continuous",
         description="'continuous': a batch is whatever waits when the device becomes free (no timer, no idle "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -106,6 +107,8 @@ class EncoderReplica:
 
     def __init__(self, args: dict):
         self.args = a = AppArgs.model_validate(args)
+        if a.gil_switch_interval_s is not None:  # this process is the replica's own
+            sys.setswitchinterval(a.gil_switch_interval_s)
         self.device_name = resolve_device(a, resolve_num_gpus(a))
         start = time.perf_counter()
         vision = encoder.load(a.model, device=self.device_name, dtype=a.dtype, attention=a.attention, seed=a.seed)
@@ -393,6 +396,11 @@ class EncoderReplica:
 
     def stats(self) -> dict:
         """The engine's counters (captures, replays per budget, eager runs, patches), this replica's batches
-        (count, requests and images in them, busy seconds) and queue state."""
+        (count, requests and images in them, busy seconds), queue state and the process's GIL switch interval."""
         replica = serve.get_replica_context().replica_id.unique_id
-        return self.engine.stats() | dict(self._batches) | self.record_routing_stats() | {"replica_id": replica}
+        return (
+            self.engine.stats()
+            | dict(self._batches)
+            | self.record_routing_stats()
+            | {"replica_id": replica, "gil_switch_interval_s": sys.getswitchinterval()}
+        )

@@ -253,6 +253,8 @@ def test_encoder_replica_direct_call_and_routing_stats(app, reference):
     assert stats["ready"] is True and stats["buckets"] == [[256, 1], [1024, 1]]
     info = enc.describe.remote().result(timeout_s=30)
     assert info["out_dim"] == reference.out_dim and info["graphs_captured"] is True
+    # the replica's process runs with the short GIL switch interval (AppArgs.gil_switch_interval_s)
+    assert enc.stats.remote().result(timeout_s=30)["gil_switch_interval_s"] == pytest.approx(0.0005)
 
 
 def test_image_pixels_roundtrip_through_http_and_handle_agree(app, client):
