@@ -281,7 +281,7 @@ async def encoder_report(before: dict[str, dict], label: str) -> dict[str, dict]
     return after
 
 
-async def measured(a, name: str, kind: str, target, payloads, clients: int, per_call: int = 1, keys=None) -> dict:
+async def measured(a, name: str, kind: str, target, payloads, clients: int, per_call: int = 1) -> dict:
     from ray import serve
 
     before = await replica_stats(serve.get_deployment_handle("VisionEncoder", "bench").stats)

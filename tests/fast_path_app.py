@@ -6,10 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,34 +21,7 @@ from ray import serve  # noqa: E402
 
 import deployments  # noqa: E402
 import encoder  # noqa: E402
-
-
-@ray.remote(num_cpus=0)
-class Switch:
-    """A held replica batch waits on `wait` until `release` (see EncoderReplica.inject_fault)."""
-
-    def __init__(self):
-        import asyncio
-
-        self.event, self.waiting = asyncio.Event(), 0
-
-    async def wait(self):
-        self.waiting += 1
-        await self.event.wait()
-
-    async def release(self):
-        self.event.set()
-
-    async def waiters(self) -> int:
-        return self.waiting
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
+from tests.serve_fixtures import free_port, make_switch, wait_for  # noqa: E402
 
 
 def kill_under_load(handle, base: str, url: str, expected: np.ndarray) -> dict:
@@ -69,16 +40,16 @@ def kill_under_load(handle, base: str, url: str, expected: np.ndarray) -> dict:
     threads = [threading.Thread(target=client, daemon=True) for _ in range(8)]
     for t in threads:
         t.start()
-    switch = Switch.remote()
+    switch = make_switch()
     try:
-        wait_until(lambda: len(results) >= 16, 120, "the closed loop to warm up")
+        wait_for(lambda: len(results) >= 16, 120, what="the closed loop to warm up")
         encoder_handle = serve.get_deployment_handle("VisionEncoder", "vision")
         retries = sum(s["encoder_retries"] for s in ingress_stats(handle))
         victim = encoder_handle.inject_fault.remote("hold", switch=switch).result(timeout_s=60)
-        wait_until(lambda: ray.get(switch.waiters.remote()) >= 1, 60, "a batch held in the victim")
+        wait_for(lambda: ray.get(switch.waiters.remote()) >= 1, 60, what="a batch held in the victim")
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         at_kill = len(results)
-        wait_until(lambda: len(results) >= at_kill + 48, 120, "requests after the kill")
+        wait_for(lambda: len(results) >= at_kill + 48, 120, what="requests after the kill")
     finally:
         stop.set()
         for t in threads:
@@ -97,9 +68,7 @@ def ingress_stats(handle) -> list[dict]:
 
 def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"model": "tiny", "num_replicas": 2, "enable_fault_injection": True, "encoder_retries": 5,
             "health_check_period_s": 0.5, "ingress_batch_size": 0}  # fmt: skip

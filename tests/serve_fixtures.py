@@ -76,3 +76,27 @@ def wait_for(check: Callable[[], bool], timeout_s: float = 60.0, interval_s: flo
             last = e
         time.sleep(interval_s)
     pytest.fail(f"timed out after {timeout_s}s waiting for {what or check}: {last!r}")
+
+
+def make_switch():
+    """An actor a held replica waits on (`wait`), counting the waiters, until the test calls `release`."""
+
+    @ray.remote(num_cpus=0)
+    class Switch:  # defined here so Ray pickles it by value (tests/ is not importable on workers)
+        def __init__(self):
+            import asyncio
+
+            self.event = asyncio.Event()
+            self.waiting = 0
+
+        async def wait(self):
+            self.waiting += 1
+            await self.event.wait()
+
+        async def release(self):
+            self.event.set()
+
+        async def waiters(self) -> int:
+            return self.waiting
+
+    return Switch.remote()

@@ -22,6 +22,7 @@ from ray import serve
 import encoder
 from deployments import build_app
 from deployments.config import ENCODER_NAME
+from tests.serve_fixtures import make_switch
 
 pytest_plugins = ["tests.serve_fixtures"]
 pytestmark = pytest.mark.slow
@@ -40,30 +41,6 @@ ARGS = {
     "ingress_batch_size": 0,
 }
 ATOL = 1e-4
-
-
-def make_switch():
-    """An actor a held replica waits on (`wait`), counting the waiters, until the test calls `release`."""
-
-    @ray.remote(num_cpus=0)
-    class Switch:  # defined here so Ray pickles it by value (tests/ is not importable on workers)
-        def __init__(self):
-            import asyncio
-
-            self.event = asyncio.Event()
-            self.waiting = 0
-
-        async def wait(self):
-            self.waiting += 1
-            await self.event.wait()
-
-        async def release(self):
-            self.event.set()
-
-        async def waiters(self) -> int:
-            return self.waiting
-
-    return Switch.remote()
 
 
 def replica_names() -> set[str]:
