@@ -226,17 +226,18 @@ class EncoderReplica:
             if _sticky_device_error(e):
                 self._fatal = e  # a sticky device error: fail health checks so Serve replaces this replica
             raise
+        run_s, images = time.perf_counter() - started, sum(len(w.counts) for w in works)
         b = self._batches
         b["batches"] += 1
         b["batched_requests"] += len(works)
-        b["batched_images"] += sum(len(w.counts) for w in works)
-        b["busy_seconds"] += time.perf_counter() - started
+        b["batched_images"] += images
+        b["busy_seconds"] += run_s
         self.metrics.batch(
             requests=len(works),
-            images=sum(len(w.counts) for w in works),
+            images=images,
             patches=sum(w.patches for w in works),
             waits_s=[started - w.queued_at for w in works],
-            run_s=time.perf_counter() - started,
+            run_s=run_s,
             stats=self.engine.stats(),
         )
         return results
