@@ -263,7 +263,7 @@ async def replica_stats(method, calls: int = 24) -> dict[str, dict]:
     return {s["replica_id"]: s for s in answers}
 
 
-async def encoder_report(before: dict[str, dict], label: str) -> dict[str, dict]:
+async def encoder_report(before: dict[str, dict], label: str) -> None:
     """Print what each encoder replica did since `before`: batches, mean images per batch, busy share."""
     from ray import serve
 
@@ -278,7 +278,6 @@ async def encoder_report(before: dict[str, dict], label: str) -> dict[str, dict]
         print(f"  [{label}] encoder {rid}: {batches} batches, {requests} requests, {images} images "
               f"({images / max(batches, 1):.1f}/batch), device thread busy {busy:.1f}s",
               file=sys.stderr, flush=True)  # fmt: skip
-    return after
 
 
 async def measured(a, name: str, kind: str, target, payloads, clients: int, per_call: int = 1) -> dict:

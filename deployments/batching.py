@@ -50,7 +50,6 @@ class ContinuousBatcher:
         self._queue: deque[tuple[Sized, asyncio.Future]] = deque()
         self._running = 0
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
-        self.batches = 0
 
     @property
     def queued(self) -> int:
@@ -88,7 +87,6 @@ class ContinuousBatcher:
             if not batch:
                 return
             self._running += 1
-            self.batches += 1
             task = asyncio.get_running_loop().create_task(self._run_batch(batch, futures))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
