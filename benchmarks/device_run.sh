@@ -12,7 +12,8 @@
 #   service1 the same with 1 replica per GPU, no router comparison
 #   servicedefault  2 replicas per GPU through Ray's default request path (Python proxy, actor calls)
 #   service1slot    2 replicas per GPU, one merged encoder request in flight per ingress
-#   svc-R-S  R replicas per GPU, S merged requests in flight per ingress (no router comparison)
+#   svc-R-S  R replicas per GPU, S merged requests in flight per ingress (no router comparison);
+#   svc-R-S-D  the same with D batches in flight per encoder replica (pipeline_depth)
 # Ray/pydantic come from the carried pack: see ../shared/device/pack-ray.sh; wheels the pack lacks (orjson)
 # are carried in .device/ as well: `python3 -m zipfile -e .device/orjson-*.whl /tmp/site`.
 set -uo pipefail
@@ -36,12 +37,13 @@ for s in $steps; do
                  --markdown "$OUT/batch100k.md" > "$OUT/batch100k.log" 2>&1 ;;
     ckpt) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
             from batch import export_preset; export_preset('qwen2.5-vl-7b', Path('/tmp/ckpt-7b'))" > "$OUT/ckpt.log" 2>&1 ;;
-    svc-*-*)  # svc-R-S: R replicas per GPU, S merged requests in flight per ingress, no router comparison
-      IFS=- read -r _ r slots <<< "$s"
+    svc-*-*)  # svc-R-S[-D]: R replicas per GPU, S merged requests in flight per ingress, D batches per replica
+      IFS=- read -r _ r slots depth <<< "$s"
       model=qwen2.5-vl-7b; [ -d /tmp/ckpt-7b ] && model=/tmp/ckpt-7b
       timeout 200 python3 benchmarks/service.py --model "$model" --replicas-per-gpu "$r" --ingress-slots "$slots" \
+        ${depth:+--pipeline-depth "$depth"} \
         --ingress-replicas 6 --client-procs 4 --duration 6 --json "$OUT/$s.json" > "$OUT/$s.log" 2>&1
-      grep -v "pid=" "$OUT/$s.log" | grep -E "^\||^  \[|^model|deployed in" > "$OUT/$s.md" ;;
+      grep -v "pid=" "$OUT/$s.log" | grep -E "^\||^  \[|^  idle|^model|deployed in" > "$OUT/$s.md" ;;
     service|service1|servicedefault|service1slot)
       model=qwen2.5-vl-7b; [ -d /tmp/ckpt-7b ] && model=/tmp/ckpt-7b
       case $s in
@@ -52,7 +54,7 @@ for s in $steps; do
       esac
       timeout 400 python3 benchmarks/service.py --model "$model" $extra --ingress-replicas 6 --client-procs 4 \
         --duration 6 --json "$OUT/$s.json" > "$OUT/$s.log" 2>&1
-      grep -v "pid=" "$OUT/$s.log" | grep -E "^\||^  \[|^  ingress|^model|deployed in" > "$OUT/$s.md" ;;
+      grep -v "pid=" "$OUT/$s.log" | grep -E "^\||^  \[|^  ingress|^  idle|^model|deployed in" > "$OUT/$s.md" ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - start ))s" >> "$OUT/gpu.txt"
 done

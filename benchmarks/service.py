@@ -72,6 +72,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ingress-batch-size", type=int, default=32, help="0: no ingress batching")
     p.add_argument("--ingress-slots", type=int, default=2, help="merged encoder requests in flight per ingress")
     p.add_argument("--batcher", default="continuous", choices=["serve", "continuous"])
+    p.add_argument("--pipeline-depth", type=int, default=None, help="batches in flight per encoder replica")
     p.add_argument("--batch-wait", type=float, default=0.002)
     p.add_argument("--router", default=None, help="request router import path for the main phases")
     p.add_argument("--router-compare", action="store_true", help="add the mixed-load router comparison")
@@ -117,19 +118,15 @@ def png_body(img: np.ndarray) -> bytes:
 def engine_phase(a, device: str) -> list[dict]:
     import encoder
     from deployments.config import AppArgs, bucket_table
-    from deployments.replica import stack_patchify
+    from encoder.preprocess import stack_patchify
     from workspace import GraphEncoder
 
     vision = encoder.load(a.model, device=device, dtype=a.dtype, attention=a.attention)
     eng = GraphEncoder(vision, bucket_table(AppArgs(buckets=a.buckets), device, vision.config.merge_unit))
     imgs = images(224, a.engine_batch, vision.preprocess_config)
     rows = []
-    for n in sorted({1, a.engine_batch}):
-        batch = imgs[:n]
 
-        def step(batch=batch):
-            eng.encode(stack_patchify(batch, vision.preprocess_config, vision.device), pooling="mean")
-
+    def run_phase(name: str, n: int, step) -> None:
         for _ in range(3):
             step()
         times, deadline = [], time.perf_counter() + min(a.duration, 5)
@@ -138,7 +135,22 @@ def engine_phase(a, device: str) -> list[dict]:
             step()
             times.append(time.perf_counter() - t)
         med = statistics.median(times)
-        rows.append({"phase": f"engine x{n}", "img_s": n / med, "p50_ms": med * 1e3, "p99_ms": pct(times, 99) * 1e3})
+        rows.append({"phase": name, "img_s": n / med, "p50_ms": med * 1e3, "p99_ms": pct(times, 99) * 1e3})
+
+    pp, dev = vision.preprocess_config, vision.device
+    for n in sorted({1, 16, a.engine_batch}):
+        run_phase(f"engine x{n}", n, lambda b=imgs[:n]: eng.encode(stack_patchify(b, pp, dev), pooling="mean"))
+    # as a replica with pipeline_depth 2 runs: batch N+1 prepared and queued while batch N replays
+    # (one step = one batch: launch the next, then wait for the oldest)
+    for n in sorted({16, a.engine_batch}):
+        inflight: list = []
+
+        def step(b=imgs[:n], inflight=inflight):
+            inflight.append(eng.encode_async(stack_patchify(b, pp, dev), pooling="mean"))
+            if len(inflight) > 1:
+                inflight.pop(0).result()
+
+        run_phase(f"engine x{n}, 2 in flight", n, step)
     return rows
 
 
@@ -238,7 +250,7 @@ def app_args(a, gpus: int, **over) -> dict:
         "model": a.model, "dtype": a.dtype, "attention": a.attention, "buckets": a.buckets,
         "num_replicas": per_gpu * gpus if gpus else (a.replicas or 1),
         "num_gpus": 1 / per_gpu if gpus else 0, "num_cpus": 0.5,
-        "batcher": a.batcher, "batch_wait_timeout_s": a.batch_wait,
+        "batcher": a.batcher, "batch_wait_timeout_s": a.batch_wait, "pipeline_depth": a.pipeline_depth,
         "ingress_replicas": a.ingress_replicas, "ingress_batch_size": a.ingress_batch_size,
         "ingress_max_concurrent_batches": a.ingress_slots, "request_router_class": a.router,
     }  # fmt: skip
@@ -275,9 +287,10 @@ async def encoder_report(before: dict[str, dict], label: str) -> None:
         images = s["batched_images"] - b.get("batched_images", 0)
         requests = s["batched_requests"] - b.get("batched_requests", 0)
         busy = s["busy_seconds"] - b.get("busy_seconds", 0.0)
+        launch = s["launch_seconds"] - b.get("launch_seconds", 0.0)
         print(f"  [{label}] encoder {rid}: {batches} batches, {requests} requests, {images} images "
-              f"({images / max(batches, 1):.1f}/batch), device thread busy {busy:.1f}s",
-              file=sys.stderr, flush=True)  # fmt: skip
+              f"({images / max(batches, 1):.1f}/batch), batches in flight {busy:.1f}s, device thread {launch:.1f}s, "
+              f"depth {s['pipeline_depth']}, last {s['timings_ms']}", file=sys.stderr, flush=True)  # fmt: skip
 
 
 async def measured(a, name: str, kind: str, target, payloads, clients: int, per_call: int = 1) -> dict:
@@ -333,6 +346,11 @@ async def idle_breakdown(handle, base_url: str, img: np.ndarray, body: bytes) ->
 
         rows.append(await timed("idle: HTTP GET /v1/models (no encoder)", get_models))
         rows.append(await timed("idle: HTTP POST PNG, base64 answer", post_b64))
+    # server-side medians of those last idle HTTP requests: ingress phases, encoder replica phases
+    for rid, stats in sorted((await replica_stats(handle.ingress_stats, 24)).items()):
+        print(f"  idle timings, ingress {rid}: {stats['timings_ms']}", file=sys.stderr, flush=True)
+    for rid, stats in sorted((await replica_stats(enc.stats, 8)).items()):
+        print(f"  idle timings, encoder {rid}: {stats['timings_ms']}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -419,7 +437,8 @@ def main() -> None:
     engine = max(r["img_s"] for r in rows if r["phase"].startswith("engine"))
     print(f"\nmodel {a.model} on {torch.cuda.get_device_name() if gpus else 'CPU'}; {a.clients} clients, "
           f"{a.duration:g}s per phase; replicas/GPU {a.replicas_per_gpu}, ingress replicas {a.ingress_replicas}, "
-          f"ingress batch {a.ingress_batch_size}, batcher {a.batcher}, serve mode {a.serve_mode}\n")  # fmt: skip
+          f"ingress batch {a.ingress_batch_size}, batcher {a.batcher}, pipeline depth {a.pipeline_depth or 'default'}, "
+          f"serve mode {a.serve_mode}\n")  # fmt: skip
     print("| phase | img/s | p50 ms | p99 ms | % of engine |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:

@@ -95,6 +95,14 @@ class AppArgs(BaseModel):
         "wait; deployments.batching). 'serve': @serve.batch with a patch-counting batch_size_fn, whose batches "
         "hold what arrived within batch_wait_timeout_s, and every idle request waits that long.",
     )
+    pipeline_depth: int | None = Field(
+        None,
+        ge=1,
+        le=4,
+        description="Batches in flight per encoder replica. None: 2 on a GPU (the device thread uploads and "
+        "patchifies batch N+1 and queues its replays while batch N runs, so the GPU does not wait for the host "
+        "between batches), 1 on CPU (the engine runs there synchronously).",
+    )
 
     # -- encoder replicas ---------------------------------------------------------------------------------
     num_replicas: int = Field(1, ge=1, description="Encoder replicas.")

@@ -53,7 +53,7 @@ from .limits import (
     read_body,
     rss_bytes,
 )
-from .metrics import IngressMetrics
+from .metrics import IngressMetrics, RecentTimings
 from .openai_api import (
     EmbeddingRequest,
     RequestError,
@@ -212,6 +212,8 @@ class VisionIngress:
         self._health: tuple[float, bool, str] = (0.0, False, "")
         self._created = int(time.time())
         self.metrics = IngressMetrics()
+        # per route, the last requests' phases (parse, decode, encoder call, answer): `ingress_stats()["timings_ms"]`
+        self._timings = {"http": RecentTimings(), "handle": RecentTimings()}
         self._counts = {
             "merged_calls": 0,
             "merged_batches": 0,
@@ -387,6 +389,7 @@ class VisionIngress:
             "inflight_limit": self._admission.limit,
             "rss_bytes": rss_bytes(),
             "replica_id": serve.get_replica_context().replica_id.unique_id,
+            "timings_ms": {route: t.p50_ms() for route, t in self._timings.items()},
         }
 
     def _overloaded(self) -> BackPressureError:
@@ -419,9 +422,13 @@ class VisionIngress:
             async with asyncio.timeout(self.args.request_timeout_s):
                 info = await self.info()
                 pooling = pooling or info["default_pooling"]
+                decode_at = time.perf_counter()
                 arrays = await self._prepare(list(images), info["preprocess_config"], "images")
+                encode_at = time.perf_counter()
                 vectors, patches = await self._encode(arrays, pooling)
             outcome = "ok"
+            done = time.perf_counter()
+            self._timings["handle"].add(total=done - started, decode=encode_at - decode_at, encode=done - encode_at)
             return vectors
         except EncoderError as e:
             raise root_cause(e) from None  # the replica's own exception, not Ray's wrapper
@@ -464,7 +471,7 @@ class VisionIngress:
                 del body
                 inputs = [parsed.input] if isinstance(parsed.input, str) else parsed.input
                 n_images = len(inputs)
-                content, patches = await self._embeddings(parsed, inputs)
+                content, patches = await self._embeddings(parsed, inputs, started)
             self.metrics.request("http", "ok", n_images, patches, time.perf_counter() - started)
             return Response(content=content, media_type="application/json")
         except Exception as e:
@@ -482,7 +489,7 @@ class VisionIngress:
         finally:
             self._admission.leave()
 
-    async def _embeddings(self, body: EmbeddingRequest, inputs: list[str]) -> tuple[bytes, int]:
+    async def _embeddings(self, body: EmbeddingRequest, inputs: list[str], started: float) -> tuple[bytes, int]:
         a = self.args
         if body.model is not None and body.model != self._model_name:
             raise RequestError(
@@ -506,8 +513,11 @@ class VisionIngress:
                 f"dimensions={body.dimensions} is not supported; this model outputs {dim} with pooling={pooling}",
                 param="dimensions", code="invalid_dimensions",
             )  # fmt: skip
+        decode_at = time.perf_counter()
         arrays = await self._prepare(inputs, info["preprocess_config"], "input", a.max_request_patches)
+        encode_at = time.perf_counter()
         vectors, patches = await self._encode(arrays, pooling)
+        answer_at = time.perf_counter()
         del arrays
         size = sum(v.size for v in vectors)
         args = (vectors, body.encoding_format, self._model_name, patches)
@@ -515,6 +525,11 @@ class VisionIngress:
             content = await asyncio.get_running_loop().run_in_executor(self._pool, embeddings_body, *args)
         else:
             content = embeddings_body(*args)
+        done = time.perf_counter()
+        self._timings["http"].add(
+            total=done - started, parse=decode_at - started, decode=encode_at - decode_at,
+            encode=answer_at - encode_at, answer=done - answer_at,
+        )  # fmt: skip
         return content, patches
 
     @api.get("/v1/models")

@@ -6,11 +6,35 @@ every method is cheap enough for the per-request path (a few dict operations).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 _LATENCY_MS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _PATCHES = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+
+
+class RecentTimings:
+    """Phase durations of the last `size` requests or batches, read back as medians by `stats()` calls.
+
+    The Prometheus histograms aggregate over a replica's life; benchmarks and operators also need "where does
+    an idle request's time go right now" without a metrics pipeline."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._rows: deque[dict[str, float]] = deque(maxlen=size)
+
+    def add(self, **seconds: float) -> None:
+        self._rows.append(seconds)
+
+    def p50_ms(self) -> dict[str, float]:
+        """{phase: median ms over the kept rows that have it}, plus "n": rows kept."""
+        phases: dict[str, list[float]] = {}
+        for row in self._rows:
+            for k, v in row.items():
+                phases.setdefault(k, []).append(v)
+        return {k: round(statistics.median(v) * 1e3, 3) for k, v in phases.items()} | {"n": len(self._rows)}
 
 
 class IngressMetrics:

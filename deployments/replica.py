@@ -31,13 +31,12 @@ from ray import serve
 import encoder
 from encoder.api import POOLINGS, check_pooling, vector_pooling
 from encoder.errors import EncoderError, InvalidArgumentError, InvalidImageError
-from encoder.patch_batch import PatchBatch
-from encoder.preprocess import PreprocessConfig, patchify
+from encoder.preprocess import PreprocessConfig, stack_patchify
 from workspace import GraphEncoder
 
 from .batching import ContinuousBatcher
 from .config import AppArgs, batch_limits, bucket_table, resolve_device, resolve_num_gpus
-from .metrics import ReplicaMetrics
+from .metrics import RecentTimings, ReplicaMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -83,24 +82,6 @@ def check_pixels(pixels, pp: PreprocessConfig) -> tuple[list[np.ndarray], list[i
     return arrays, counts
 
 
-def stack_patchify(arrays: list[np.ndarray], pp: PreprocessConfig, device: torch.device) -> PatchBatch:
-    """Upload and patchify on `device`; consecutive images of equal width go through one `patchify`.
-
-    Stacking images vertically keeps each image's merge blocks contiguous and in order (its block rows
-    come before the next image's), so one call equals the concatenation of per-image calls.
-    """
-    parts, start = [], 0
-    while start < len(arrays):
-        end = start + 1
-        while end < len(arrays) and arrays[end].shape[1] == arrays[start].shape[1]:
-            end += 1
-        host = torch.from_numpy(np.concatenate(arrays[start:end], axis=0))  # a writable copy, one upload
-        parts.append(patchify(host.to(device, non_blocking=False), pp))
-        start = end
-    grid = torch.tensor([[1, a.shape[0] // pp.patch_size, a.shape[1] // pp.patch_size] for a in arrays])
-    return PatchBatch(parts[0] if len(parts) == 1 else torch.cat(parts), grid)
-
-
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.5}, health_check_period_s=10)
 class EncoderReplica:
     """Serve deployment of one encoder: `encode_pixels` for the ingress, stats for routers and tests."""
@@ -118,25 +99,37 @@ class EncoderReplica:
         self.device = vision.device
         table = self.engine.table
         self.max_batch_patches, self.max_batch_images = batch_limits(a, table, self.device_name)
+        # The device thread uploads, patchifies and queues replays; the results thread waits for a batch's
+        # device work and splits its outputs. With pipeline_depth 2 the device thread prepares batch N+1
+        # while batch N replays, so the GPU does not idle through the host's part of every batch.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="encoder-device")
+        self._results = ThreadPoolExecutor(1, thread_name_prefix="encoder-results")
+        self.pipeline_depth = a.pipeline_depth or (2 if self.device.type == "cuda" else 1)
         self._fatal: BaseException | None = None
         self._queued: Counter[str] = Counter()
         self._queued_patches = 0
         # batches run, requests and images in them, seconds the device thread spent on them
-        self._batches = {"batches": 0, "batched_requests": 0, "batched_images": 0, "busy_seconds": 0.0}
+        # batches run, requests and images in them; seconds from launch to results (overlapping batches both
+        # count) and seconds the device thread spent preparing and queueing them
+        self._batches = {
+            "batches": 0, "batched_requests": 0, "batched_images": 0, "busy_seconds": 0.0, "launch_seconds": 0.0,
+        }  # fmt: skip
         self.metrics = ReplicaMetrics()
+        # the last requests (time inside this replica) and batches (queue wait, device thread, results)
+        self._timings = RecentTimings()
         # Trim batches to the prefix with the most patches per unit of replay cost (graphs only: on the CPU
         # the engine runs images one by one, so a longer batch costs nothing extra).
         self._fixed_cost = a.batch_fixed_cost_patches if self.device.type == "cuda" else None
         if a.batcher == "continuous":
-            self._submit = ContinuousBatcher(self._run_batch, self._fits, keep=self._keep if self._fixed_cost else None)
+            keep = self._keep if self._fixed_cost else None
+            self._submit = ContinuousBatcher(self._run_batch, self._fits, self.pipeline_depth, keep=keep)
         else:
             # Batch "size" in image slots: max(patches scaled so the patch limit equals the image limit,
             # images). One number enforces both limits and stays <= max_ongoing_requests.
             self._submit = serve.batch(
                 max_batch_size=self.max_batch_images,
                 batch_wait_timeout_s=a.batch_wait_timeout_s,
-                max_concurrent_batches=1,
+                max_concurrent_batches=self.pipeline_depth,
                 batch_size_fn=self._batch_units,
             )(self._run_batch)
         # Health: a tiny real encode through the graph path, compared with its output at start-up.
@@ -151,10 +144,10 @@ class EncoderReplica:
         self.ready = True
         logger.info(
             "encoder %s on %s (%s): %d buckets, %d graphs captured in %.1fs (%.0f MiB pool), ready after %.1fs; "
-            "batches up to %d patches / %d images (%s)",
+            "batches up to %d patches / %d images (%s, %d in flight)",
             vision.name, self.device, vision.dtype, len(table), stats["captures"], stats["capture_seconds"],
             stats["capture_bytes"] / 2**20, time.perf_counter() - start, self.max_batch_patches,
-            self.max_batch_images, a.batcher,
+            self.max_batch_images, a.batcher, self.pipeline_depth,
         )  # fmt: skip
 
     # -- batching limits ----------------------------------------------------------------------------------
@@ -193,6 +186,7 @@ class EncoderReplica:
         `"none"`. `num_patches` (total patches of the request) is what routers read; when given it must
         match the pixels.
         """
+        entered = time.perf_counter()
         check_pooling(pooling)
         arrays, counts = check_pixels(pixels, self.pp)
         work = Work(arrays, counts, pooling)
@@ -208,7 +202,9 @@ class EncoderReplica:
         try:
             if not self._fits(total, len(counts)):  # bigger than one batch: alone (the engine splits it)
                 return (await self._run_batch([work]))[0]
-            return await self._submit(work)
+            out = await self._submit(work)
+            self._timings.add(request=time.perf_counter() - entered)
+            return out
         finally:
             self._queued[label] -= 1
             if not self._queued[label]:
@@ -219,7 +215,8 @@ class EncoderReplica:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._executor, self._compute, works)
+            finish, launch_s = await loop.run_in_executor(self._executor, self._launch, works)
+            results = await loop.run_in_executor(self._results, finish)
         except EncoderError:
             raise
         except Exception as e:
@@ -232,33 +229,45 @@ class EncoderReplica:
         b["batched_requests"] += len(works)
         b["batched_images"] += images
         b["busy_seconds"] += run_s
+        b["launch_seconds"] += launch_s
+        waits = [started - w.queued_at for w in works]
+        self._timings.add(wait=sum(waits) / len(waits), launch=launch_s, results=run_s - launch_s, batch=run_s)
         self.metrics.batch(
             requests=len(works),
             images=images,
             patches=sum(w.patches for w in works),
-            waits_s=[started - w.queued_at for w in works],
+            waits_s=waits,
             run_s=run_s,
             stats=self.engine.stats(),
         )
         return results
 
     @torch.inference_mode()
-    def _compute(self, works: list[Work]) -> list[list[np.ndarray]]:
-        """Worker thread: one engine call per pooling mode present in the batch (usually one)."""
+    def _launch(self, works: list[Work]):
+        """Device thread: upload, patchify and queue the replays of one batch (one engine call per pooling mode
+        in it, usually one). Returns (a callable that waits for the outputs and splits them per request, the
+        seconds spent here)."""
         self._wait_if_held()
-        out: list[list[np.ndarray] | None] = [None] * len(works)
+        started = time.perf_counter()
         by_pooling: dict[str, list[int]] = {}
         for i, w in enumerate(works):
             by_pooling.setdefault(w.pooling, []).append(i)
+        pending = []
         for pooling, members in by_pooling.items():
             arrays = [a for i in members for a in works[i].arrays]
-            vectors = self.engine.encode(stack_patchify(arrays, self.pp, self.device), pooling=pooling)
-            pos = 0
-            for i in members:
-                n = len(works[i].arrays)
-                out[i] = [v.numpy() for v in vectors[pos : pos + n]]
-                pos += n
-        return out
+            pending.append((members, self.engine.encode_async(stack_patchify(arrays, self.pp, self.device), pooling)))
+
+        def finish() -> list[list[np.ndarray]]:  # results thread
+            out: list[list[np.ndarray] | None] = [None] * len(works)
+            for members, p in pending:
+                vectors, pos = p.result(), 0
+                for i in members:
+                    n = len(works[i].arrays)
+                    out[i] = [v.numpy() for v in vectors[pos : pos + n]]
+                    pos += n
+            return out
+
+        return finish, time.perf_counter() - started
 
     # -- control plane ---------------------------------------------------------------------------------------
     def record_routing_stats(self) -> dict:
@@ -366,9 +375,10 @@ class EncoderReplica:
     def __del__(self):
         # Serve calls this once the replica drained its requests (graceful shutdown); let the batch that
         # runs in the device thread finish rather than tear the engine down under it.
-        executor = getattr(self, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=True)
+        for name in ("_executor", "_results"):
+            executor = getattr(self, name, None)
+            if executor is not None:
+                executor.shutdown(wait=True)
 
     def _supports(self, pooling: str) -> bool:
         try:
@@ -404,4 +414,5 @@ class EncoderReplica:
             | dict(self._batches)
             | self.record_routing_stats()
             | {"replica_id": replica, "gil_switch_interval_s": sys.getswitchinterval()}
+            | {"pipeline_depth": self.pipeline_depth, "timings_ms": self._timings.p50_ms()}
         )

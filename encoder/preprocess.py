@@ -341,6 +341,34 @@ def patchify_many(pixels: list[torch.Tensor], cfg: PreprocessConfig = DEFAULT_CO
     return PatchBatch(torch.cat(patches) if patches else torch.zeros(0, cfg.patch_dim), grid)
 
 
+def upload(arrays: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """Arrays of one width, stacked vertically, on `device` with one copy. On CUDA the stack is written into
+    pinned memory and uploaded asynchronously: a pageable upload would wait for the replays already queued,
+    so the next batch's upload could not overlap the running one."""
+    device = torch.device(device)
+    rows = sum(a.shape[0] for a in arrays)
+    host = torch.empty((rows, *arrays[0].shape[1:]), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    np.concatenate(arrays, axis=0, out=host.numpy())
+    return host.to(device, non_blocking=True)
+
+
+def stack_patchify(arrays: list[np.ndarray], cfg: PreprocessConfig, device: torch.device) -> PatchBatch:
+    """Upload and patchify on `device`; consecutive images of equal width go through one `patchify`.
+
+    Stacking images vertically keeps each image's merge blocks contiguous and in order (its block rows
+    come before the next image's), so one call equals the concatenation of per-image calls.
+    """
+    parts, start = [], 0
+    while start < len(arrays):
+        end = start + 1
+        while end < len(arrays) and arrays[end].shape[1] == arrays[start].shape[1]:
+            end += 1
+        parts.append(patchify(upload(arrays[start:end], device), cfg))
+        start = end
+    grid = torch.tensor([[1, a.shape[0] // cfg.patch_size, a.shape[1] // cfg.patch_size] for a in arrays])
+    return PatchBatch(parts[0] if len(parts) == 1 else torch.cat(parts), grid)
+
+
 def preprocess(images: Any, cfg: PreprocessConfig = DEFAULT_CONFIG, resize=None) -> PatchBatch:
     """One input or a list of inputs (any kind `load_image` accepts) -> PatchBatch, equal to HF's output.
 

@@ -29,6 +29,7 @@ APP_ARGS = {
     "model": "tiny",
     "num_replicas": 2,
     "batcher": "continuous",
+    "pipeline_depth": 2,  # two batches in flight per replica, as on a GPU
     "max_request_images": 8,
 }
 ATOL = 1e-4
@@ -254,7 +255,9 @@ def test_encoder_replica_direct_call_and_routing_stats(app, reference):
     info = enc.describe.remote().result(timeout_s=30)
     assert info["out_dim"] == reference.out_dim and info["graphs_captured"] is True
     # the replica's process runs with the short GIL switch interval (AppArgs.gil_switch_interval_s)
-    assert enc.stats.remote().result(timeout_s=30)["gil_switch_interval_s"] == pytest.approx(0.0005)
+    stats = enc.stats.remote().result(timeout_s=30)
+    assert stats["gil_switch_interval_s"] == pytest.approx(0.0005)
+    assert stats["batches"] >= 1 and 0 < stats["launch_seconds"] <= stats["busy_seconds"], stats
 
 
 def test_image_pixels_roundtrip_through_http_and_handle_agree(app, client):

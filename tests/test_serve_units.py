@@ -25,7 +25,7 @@ from deployments.openai_api import (
     prepare_image,
     with_index,
 )
-from deployments.replica import Work, check_pixels, stack_patchify
+from deployments.replica import Work, check_pixels
 from encoder.errors import (
     ConfigError,
     EncoderError,
@@ -34,7 +34,7 @@ from encoder.errors import (
     InvalidArgumentError,
     InvalidImageError,
 )
-from encoder.preprocess import PreprocessConfig, load_image, patchify_many, resize_image
+from encoder.preprocess import PreprocessConfig, load_image, patchify_many, resize_image, stack_patchify
 from workspace.buckets import BucketKey
 
 PP = PreprocessConfig()

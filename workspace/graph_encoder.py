@@ -54,6 +54,41 @@ def fixed_table(patches_per_image: int, buckets=None, max_tokens: int | None = N
     return image_count_table(counts or {1}, per)
 
 
+def to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Queue a copy of device tensor `x` into pinned host memory; the event marks its completion.
+
+    Pinned, so the copy is asynchronous (a pageable one would wait for the replays queued before it);
+    the pinned block returns to torch's host cache only after the copy is done."""
+    if x.device.type != "cuda":
+        return x.cpu(), None
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+class PendingEncode:
+    """An encode whose device work may still run; `result()` waits for it (releasing the GIL)."""
+
+    def __init__(self, host: torch.Tensor | None, event, sizes: list[int] | None, l2: bool):
+        self._host, self._event, self._sizes, self._l2 = host, event, sizes, l2
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> list[torch.Tensor]:
+        """Per image, float32 CPU tensors (views of one host buffer), as `GraphEncoder.encode`."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        if self._sizes is not None:  # tokens per image
+            return list(torch.split(self._host, self._sizes))
+        outs = list(self._host.unbind(0))
+        return l2_normalize(outs) if self._l2 else outs
+
+
 class GraphEncoder:
     """Same `preprocess` / `encode` as `VisionEncoder`; captures every bucket at construction.
 
@@ -108,21 +143,30 @@ class GraphEncoder:
         """Per image, float32 CPU tensors, as `VisionEncoder.encode`: tokens ("none"), their mean
         ("mean"), the model's embedding ("model", CLIP / SigLIP), "-l2" for L2-normalised vectors.
         `pooling=None` is the model's default."""
+        return self.encode_async(images, pooling).result()
+
+    @torch.inference_mode()
+    def encode_async(self, images, pooling: str | None = None) -> PendingEncode:
+        """`encode` without waiting for the device: the replays and the copy of the outputs to pinned host
+        memory are queued on the current stream, and `result()` waits for them. So the host can prepare
+        (upload, patchify, pack) the next batch while this one replays. Inputs are not needed after this
+        returns; on a machine without CUDA the work is done here and `result()` only splits it."""
         pooling = self.encoder.resolve_pooling(pooling)
         base, l2 = split_pooling(pooling)
         batch = images if isinstance(images, PatchBatch) else self.preprocess(images)
         if batch.num_images == 0:
-            return []
+            return PendingEncode(None, None, [], l2)
         self.encoder.check_batch(batch)
         out = self.runner.run_all(batch.pixel_values, batch.grid_thw)
         if base == "model":
-            outs = list(out.pooled.cpu().unbind(0))
+            flat, sizes = out.pooled, None
         elif base == "mean":
-            outs = list(out.means.cpu().unbind(0))
+            flat, sizes = out.means, None
         else:
-            flat = torch.cat(out.tokens).float().cpu()  # one device-to-host copy
-            return list(torch.split(flat, [t.shape[0] for t in out.tokens]))
-        return l2_normalize(outs) if l2 else outs
+            flat = torch.cat(out.tokens).float()  # one device-to-host copy
+            sizes = [t.shape[0] for t in out.tokens]
+        host, event = to_host(flat)
+        return PendingEncode(host, event, sizes, l2)
 
     def stats(self) -> dict:
         return self.runner.stats.as_dict()

@@ -246,7 +246,8 @@ class GraphRunner:
         src = pixel_values[starts[idx[0]] : starts[idx[-1] + 1]]
         rows = src.shape[0]
         ws.pixel_values[:rows].copy_(src, non_blocking=True)
-        frames = torch.zeros(pack.key.max_images, 2, dtype=torch.long)
+        # pinned: a pageable upload may wait for the replays already queued (GraphEncoder.encode_async)
+        frames = torch.zeros(pack.key.max_images, 2, dtype=torch.long, pin_memory=self.device.type == "cuda")
         frames[: len(idx)] = torch.tensor([grid[i][1:] for i in idx])
         ws.frames_hw.copy_(frames, non_blocking=True)
         if self.use_graphs:
