@@ -13,7 +13,8 @@
 #   servicedefault  2 replicas per GPU through Ray's default request path (Python proxy, actor calls)
 #   service1slot    2 replicas per GPU, one merged encoder request in flight per ingress
 #   svc-R-S  R replicas per GPU, S merged requests in flight per ingress (no router comparison);
-#   svc-R-S-D  the same with D batches in flight per encoder replica (pipeline_depth)
+#   svc-R-S-D  the same with D batches in flight per encoder replica (pipeline_depth); SVC_EXTRA: more
+#              benchmarks/service.py flags for these steps (e.g. SVC_EXTRA="--gil-switch-interval 0.005")
 # Ray/pydantic come from the carried pack: see ../shared/device/pack-ray.sh; wheels the pack lacks (orjson)
 # are carried in .device/ as well: `python3 -m zipfile -e .device/orjson-*.whl /tmp/site`.
 set -uo pipefail
@@ -41,7 +42,7 @@ for s in $steps; do
       IFS=- read -r _ r slots depth <<< "$s"
       model=qwen2.5-vl-7b; [ -d /tmp/ckpt-7b ] && model=/tmp/ckpt-7b
       timeout 200 python3 benchmarks/service.py --model "$model" --replicas-per-gpu "$r" --ingress-slots "$slots" \
-        ${depth:+--pipeline-depth "$depth"} \
+        ${depth:+--pipeline-depth "$depth"} ${SVC_EXTRA:-} \
         --ingress-replicas 6 --client-procs 4 --duration 6 --json "$OUT/$s.json" > "$OUT/$s.log" 2>&1
       grep -v "pid=" "$OUT/$s.log" | grep -E "^\||^  \[|^  idle|^model|deployed in" > "$OUT/$s.md" ;;
     service|service1|servicedefault|service1slot)

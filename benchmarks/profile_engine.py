@@ -1,14 +1,19 @@
 """Kernel-time breakdown of one eager forward (CUDA), to see what the graph replay spends on.
 
 Run: `python benchmarks/profile_engine.py --patches 256,8192 [--backend torch_varlen]`.
+`--launch`: instead, the host side of one 224x224 image through the replica's path (pinned upload,
+patchify, `GraphEncoder.encode_async`): launch time vs launch-to-result, and the CPU ops of the launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -23,7 +28,10 @@ def main() -> int:
     parser.add_argument("--backend", default=None)
     parser.add_argument("--patches", default="256,8192", help="images of 256 patches (224x224) per run")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--launch", action="store_true", help="profile the host side of one-image launches")
     args = parser.parse_args()
+    if args.launch:
+        return profile_launch(args)
     enc = encoder.load(args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend)
     enc.model.fuse_for_speed(128)
     for total in map(int, args.patches.split(",")):
@@ -39,6 +47,39 @@ def main() -> int:
             torch.cuda.synchronize()
         print(f"\n### {n} x 224x224 ({n * 256} patches), {enc.model.backend.name}, per 5 forwards")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    return 0
+
+
+def profile_launch(args) -> int:
+    from encoder.preprocess import stack_patchify
+    from workspace import GraphEncoder
+
+    eng = GraphEncoder(encoder.load(args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend))
+    pp, dev = eng.encoder.preprocess_config, eng.device
+    img = [np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)]
+
+    def launch():
+        return eng.encode_async(stack_patchify(img, pp, dev), pooling="mean")
+
+    for _ in range(20):
+        launch().result()
+    launched, done = [], []
+    for _ in range(200):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pending = launch()
+        t1 = time.perf_counter()
+        pending.result()
+        launched.append(t1 - t0)
+        done.append(time.perf_counter() - t0)
+    print(f"one 224x224 image, idle GPU: launch (host) p50 {statistics.median(launched) * 1e3:.3f} ms, "
+          f"launch to result p50 {statistics.median(done) * 1e3:.3f} ms (200 calls)")  # fmt: skip
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            launch()
+    torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     return 0
 
 

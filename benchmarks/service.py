@@ -73,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ingress-slots", type=int, default=2, help="merged encoder requests in flight per ingress")
     p.add_argument("--batcher", default="continuous", choices=["serve", "continuous"])
     p.add_argument("--pipeline-depth", type=int, default=None, help="batches in flight per encoder replica")
+    p.add_argument("--gil-switch-interval", type=float, default=None, help="seconds, in encoder and ingress replicas")
     p.add_argument("--batch-wait", type=float, default=0.002)
     p.add_argument("--router", default=None, help="request router import path for the main phases")
     p.add_argument("--router-compare", action="store_true", help="add the mixed-load router comparison")
@@ -251,6 +252,7 @@ def app_args(a, gpus: int, **over) -> dict:
         "num_replicas": per_gpu * gpus if gpus else (a.replicas or 1),
         "num_gpus": 1 / per_gpu if gpus else 0, "num_cpus": 0.5,
         "batcher": a.batcher, "batch_wait_timeout_s": a.batch_wait, "pipeline_depth": a.pipeline_depth,
+        "gil_switch_interval_s": a.gil_switch_interval,
         "ingress_replicas": a.ingress_replicas, "ingress_batch_size": a.ingress_batch_size,
         "ingress_max_concurrent_batches": a.ingress_slots, "request_router_class": a.router,
     }  # fmt: skip

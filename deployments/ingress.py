@@ -20,6 +20,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -201,6 +202,8 @@ class VisionIngress:
 
     def __init__(self, encoder: DeploymentHandle, args: dict):
         self.args = a = AppArgs.model_validate(args)
+        if a.gil_switch_interval_s is not None:  # this process is the replica's own
+            sys.setswitchinterval(a.gil_switch_interval_s)
         self._encoder = encoder
         # Big payloads go through Ray's object store (shared memory on one node, no gRPC message cap) even
         # when Serve sends requests over gRPC (RAY_SERVE_THROUGHPUT_OPTIMIZED=1); small ones stay inline.
@@ -213,7 +216,7 @@ class VisionIngress:
         self._created = int(time.time())
         self.metrics = IngressMetrics()
         # per route, the last requests' phases (parse, decode, encoder call, answer): `ingress_stats()["timings_ms"]`
-        self._timings = {"http": RecentTimings(), "handle": RecentTimings()}
+        self._timings = {"http": RecentTimings(), "handle": RecentTimings(), "inline_decode": RecentTimings()}
         self._counts = {
             "merged_calls": 0,
             "merged_batches": 0,
@@ -324,11 +327,15 @@ class VisionIngress:
                 return [await loop.run_in_executor(self._pool, whole, images[0])]
             # Small input: header checks here; a small picture (a 224x224 PNG decodes in ~0.5 ms, less than
             # two thread hand-offs at idle) is decoded here too, a big one (a compressible bomb) in the pool.
+            started = time.perf_counter()
             o = opened(0, images[0])
             if max_patches is not None:
                 check_request_patches(o.patches, max_patches)
             if _source_pixels(o) <= _INLINE_DECODE_PIXELS:
-                return [finished(0, o)]
+                opened_at = time.perf_counter()
+                out = finished(0, o)
+                self._timings["inline_decode"].add(open=opened_at - started, decode=time.perf_counter() - opened_at)
+                return [out]
             return [await loop.run_in_executor(self._pool, finished, 0, o)]
         headers = await asyncio.gather(*(loop.run_in_executor(self._pool, opened, i, x) for i, x in enumerate(images)))
         if max_patches is not None:
@@ -390,6 +397,7 @@ class VisionIngress:
             "rss_bytes": rss_bytes(),
             "replica_id": serve.get_replica_context().replica_id.unique_id,
             "timings_ms": {route: t.p50_ms() for route, t in self._timings.items()},
+            "gil_switch_interval_s": sys.getswitchinterval(),
         }
 
     def _overloaded(self) -> BackPressureError:

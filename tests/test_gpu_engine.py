@@ -109,22 +109,32 @@ def on_device(batch: encoder.PatchBatch) -> encoder.PatchBatch:
     return encoder.PatchBatch(batch.pixel_values.cuda(), batch.grid_thw)
 
 
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], pooling: str) -> None:
+    """Tokens bit for bit; means within float32 rounding (the graph's per-image sums use atomic adds,
+    whose order varies from run to run)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and torch.isfinite(a).all()
+        if pooling == "none":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_pipelined_launches_equal_sequential(graph):
     """Batches launched back to back with `encode_async` (several in flight, buckets and poolings mixed)
-    give bit-identical results to one-at-a-time `encode`."""
+    give the results of one-at-a-time `encode`."""
     rng = random.Random(7)
     cases = []
     for i, total in enumerate([256, 4096, 1024, 8192, 256, 32768, 4092, 2048, 512]):
         batch = random_batch(split_grids(total, rng, max_side=64), graph.config.patch_dim, seed=100 + i)
-        cases.append((on_device(batch), "none" if i % 3 == 2 else "mean"))
-    want = [graph.encode(b, p) for b, p in cases]
+        cases.append((on_device(batch), "none" if i % 2 else "mean"))
+    want = [[x.clone() for x in graph.encode(b, p)] for b, p in cases]
     pending = [graph.encode_async(b, p) for b, p in cases]
     for ws in graph.runner.workspaces.values():  # queued after every replay: must not reach any result
         ws.pixel_values.fill_(float("nan"))
-    for p, w in zip(pending, want, strict=True):
-        got = p.result()
-        assert len(got) == len(w)
-        assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(got, w, strict=True))
+    for (_, pooling), p, w in zip(cases, pending, want, strict=True):
+        assert_same(p.result(), w, pooling)
 
 
 def test_launch_does_not_wait_for_the_running_replay(graph):
@@ -141,14 +151,14 @@ def test_launch_does_not_wait_for_the_running_replay(graph):
     big = on_device(random_batch([[1, 128, 256]], graph.config.patch_dim, seed=8))
     # references through the same path, copied out: their pinned blocks go back to torch's host cache, so the
     # timed launches below reuse them instead of allocating pinned memory (which may synchronise)
-    want_small = [x.clone() for x in graph.encode(stack_patchify(arrays, pp, graph.device), "mean")]
-    want_big = [x.clone() for x in graph.encode(big, "mean")]
+    want_small = [x.clone() for x in graph.encode(stack_patchify(arrays, pp, graph.device), "none")]
+    want_big = [x.clone() for x in graph.encode(big, "none")]
     torch.cuda.synchronize()
-    first = graph.encode_async(big, "mean")
-    second = graph.encode_async(stack_patchify(arrays, pp, graph.device), "mean")
+    first = graph.encode_async(big, "none")
+    second = graph.encode_async(stack_patchify(arrays, pp, graph.device), "none")
     assert not first.done(), "launching the second batch waited for the first replay"
-    assert torch.equal(first.result()[0], want_big[0])
-    assert all(torch.equal(a, b) for a, b in zip(second.result(), want_small, strict=True))
+    assert_same(first.result(), want_big, "none")
+    assert_same(second.result(), want_small, "none")
 
 
 def test_stack_patchify_pinned_upload_equals_cpu(graph):

@@ -267,3 +267,17 @@ def test_image_pixels_roundtrip_through_http_and_handle_agree(app, client):
     http = client.post("/v1/embeddings", json={"input": [data_url(buf.getvalue())]}).json()["data"][0]["embedding"]
     (handle,) = app.handle.embed.remote([image]).result(timeout_s=60)
     np.testing.assert_allclose(np.array(http, dtype=np.float32), handle, atol=1e-6)
+
+
+def test_ingress_reports_recent_phase_timings(app, client):
+    """`ingress_stats()["timings_ms"]`: medians of the last requests' phases per route, which is how the service
+    benchmark splits an idle request's time; the ingress runs with the short GIL switch interval too."""
+    body = {"input": [data_url(png(56, 56, seed=21))]}
+    assert client.post("/v1/embeddings", json=body).status_code == 200
+    app.handle.embed.remote([random_array(56, 56, 3, seed=22)]).result(timeout_s=60)
+    stats = app.handle.ingress_stats.remote().result(timeout_s=30)
+    http, handle = stats["timings_ms"]["http"], stats["timings_ms"]["handle"]  # one ingress replica
+    assert set(http) == {"total", "parse", "decode", "encode", "answer", "n"} and http["n"] >= 1, http
+    assert 0 < http["encode"] < http["total"] and 0 < handle["encode"] < handle["total"], stats
+    assert stats["timings_ms"]["inline_decode"]["n"] >= 1  # a small PNG is decoded on the event loop
+    assert stats["gil_switch_interval_s"] == pytest.approx(0.0005)
