@@ -8,6 +8,8 @@
 #   batch    benchmarks/batch.py --as-checkpoint (20,000 224x224 JPEGs)
 #   batch100k  the same with 100,000 JPEGs (start-up amortised)
 #   ckpt     export the qwen2.5-vl-7b preset to /tmp/ckpt-7b (replicas then load it instead of drawing weights)
+#   acceptance  benchmarks/service.py as issue 4 measures it: HAProxy/throughput mode, 1 pipelined replica
+#            per GPU, then the router comparison (2 replicas x 0.5 GPU)
 #   service  benchmarks/service.py, HAProxy/throughput mode, 2 replicas per GPU, router comparison
 #   service1 the same with 1 replica per GPU, no router comparison
 #   servicedefault  2 replicas per GPU through Ray's default request path (Python proxy, actor calls)
@@ -15,8 +17,8 @@
 #   svc-R-S  R replicas per GPU, S merged requests in flight per ingress (no router comparison);
 #   svc-R-S-D  the same with D batches in flight per encoder replica (pipeline_depth); SVC_EXTRA: more
 #              benchmarks/service.py flags for these steps (e.g. SVC_EXTRA="--gil-switch-interval 0.005")
-# Ray/pydantic come from the carried pack: see ../shared/device/pack-ray.sh; wheels the pack lacks (orjson)
-# are carried in .device/ as well: `python3 -m zipfile -e .device/orjson-*.whl /tmp/site`.
+# Ray/pydantic come from the carried pack: see ../shared/device/pack-ray.sh; wheels the pack lacks (orjson,
+# pybase64) are carried in .device/ as well: `for w in .device/*.whl; do python3 -m zipfile -e $w /tmp/site; done`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -45,9 +47,10 @@ for s in $steps; do
         ${depth:+--pipeline-depth "$depth"} ${SVC_EXTRA:-} \
         --ingress-replicas 6 --client-procs 4 --duration 6 --json "$OUT/$s.json" > "$OUT/$s.log" 2>&1
       grep -v "pid=" "$OUT/$s.log" | grep -E "^\||^  \[|^  idle|^model|deployed in" > "$OUT/$s.md" ;;
-    service|service1|servicedefault|service1slot)
+    service|service1|servicedefault|service1slot|acceptance)
       model=qwen2.5-vl-7b; [ -d /tmp/ckpt-7b ] && model=/tmp/ckpt-7b
       case $s in
+        acceptance) extra="--replicas-per-gpu 1 --router-compare" ;;
         service) extra="--replicas-per-gpu 2 --router-compare" ;;
         service1) extra="--replicas-per-gpu 1" ;;
         servicedefault) extra="--replicas-per-gpu 2 --serve-mode default" ;;

@@ -56,6 +56,16 @@ class ContinuousBatcher:
         return len(self._queue)
 
     async def __call__(self, item: Sized):
+        if self._running < self._slots and not self._queue:
+            # a free slot and nobody waiting: a batch of this item alone, run in the caller's task (an idle
+            # request skips the hand-off to a batch task and back; cancelling the caller cancels its batch)
+            self._running += 1
+            try:
+                (result,) = await self._run([item])
+            finally:
+                self._running -= 1
+                self._dispatch()
+            return result
         future = asyncio.get_running_loop().create_future()
         self._queue.append((item, future))
         self._dispatch()

@@ -6,7 +6,6 @@ handlers live here, its routes on `deployments.ingress.VisionIngress`.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the request model from route signatures.
-import base64
 import binascii
 import logging
 import math
@@ -15,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
+import pybase64
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -146,11 +146,11 @@ def with_index(exc: EncoderError, where: str) -> EncoderError:
 
 def decode_base64(text: str) -> bytes:
     try:
-        return base64.b64decode(text, validate=True)
+        return pybase64.b64decode(text, validate=True)  # SIMD: ~60x the standard library's speed
     except (binascii.Error, ValueError):
         pass
     try:  # tolerate line breaks (MIME-style base64), nothing else
-        return base64.b64decode("".join(text.split()), validate=True)
+        return pybase64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError) as e:
         raise RequestError(f"invalid base64 image data: {e}", code="invalid_base64") from None
 
@@ -265,7 +265,7 @@ def embedding_item(index: int, vec: np.ndarray, encoding_format: str) -> dict:
     flattened matrix (base64), and `shape` gives [tokens, out_dim]."""
     item: dict[str, Any] = {"object": "embedding", "index": index}
     if encoding_format == "base64":
-        item["embedding"] = base64.b64encode(np.ascontiguousarray(vec, dtype="<f4").tobytes()).decode("ascii")
+        item["embedding"] = pybase64.b64encode(np.ascontiguousarray(vec, dtype="<f4").tobytes()).decode("ascii")
     else:
         item["embedding"] = np.ascontiguousarray(vec, dtype=np.float32)  # orjson writes it natively
     if vec.ndim == 2:

@@ -355,3 +355,36 @@ def test_bucket_router_is_the_default_and_ray_default_is_selectable():
 
     assert AppArgs().request_router_class == "deployments.router:BucketRouter"
     assert AppArgs(request_router_class="ray").request_router_class is None
+
+
+def test_continuous_batcher_runs_an_idle_call_in_the_callers_task():
+    """With a free slot and nothing queued, the item is a batch of its own run in the caller's task (no hand-off
+    to a batch task); calls that arrive meanwhile still queue and merge in the other slot."""
+    tasks: list[tuple[asyncio.Task | None, list[int]]] = []
+    release = None
+
+    async def run(works):
+        tasks.append((asyncio.current_task(), [w.patches for w in works]))
+        await release.wait()
+        return [w.patches * 10 for w in works]
+
+    async def scenario():
+        nonlocal release
+        release = asyncio.Event()
+        batcher = ContinuousBatcher(run, lambda p, n: n <= 8, max_concurrent=2)
+        first = asyncio.create_task(batcher(_work(1)))
+        await asyncio.sleep(0)  # first runs inline and waits; slot 2 is free
+        second = asyncio.create_task(batcher(_work(2)))  # inline in its own task too (a free slot, no queue)
+        await asyncio.sleep(0)
+        rest = [asyncio.create_task(batcher(_work(3 + i))) for i in range(3)]  # both slots busy: queued
+        await asyncio.sleep(0)
+        queued = batcher.queued
+        release.set()
+        out = await asyncio.gather(first, second, *rest)
+        return first, second, queued, out
+
+    first, second, queued, out = asyncio.run(scenario())
+    assert out == [10, 20, 30, 40, 50]
+    assert queued == 3
+    assert tasks[0] == (first, [1]) and tasks[1] == (second, [2])
+    assert tasks[2][1] == [3, 4, 5] and tasks[2][0] not in (first, second)  # merged in a batch task
