@@ -36,6 +36,7 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"})
 # Pillow reports multi-picture JPEGs (most phone cameras) as "MPO"; they are JPEG files to users.
 _FORMAT_ALIASES = {"MPO": "JPEG"}
+_ORIENTATION = 0x0112  # the EXIF tag
 
 
 class PreprocessConfig(BaseModel):
@@ -200,6 +201,8 @@ def _load(img: Image.Image) -> Image.Image:
 
 def _exif_transpose(img: Image.Image) -> Image.Image:
     try:
+        if img.getexif().get(_ORIENTATION, 1) == 1:
+            return img  # upright: exif_transpose would only copy it
         return ImageOps.exif_transpose(img)
     except Exception:
         # Broken EXIF metadata should not make an otherwise good image unusable (viewers ignore it too).
@@ -209,6 +212,8 @@ def _exif_transpose(img: Image.Image) -> Image.Image:
 def _to_rgb(img: Image.Image) -> Image.Image:
     """RGB conversion with the same rule as transformers' convert_to_rgb for PIL images."""
     try:
+        if img.mode == "RGB" and img.info.get("transparency") is None:
+            return img  # convert("RGB") would only copy it
         if "A" in img.getbands() or img.info.get("transparency") is not None:
             rgba = img.convert("RGBA")
             white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -276,6 +281,8 @@ def resize_image(img: Image.Image, cfg: PreprocessConfig = DEFAULT_CONFIG) -> np
     if not isinstance(img, Image.Image) or img.mode != "RGB":
         raise InvalidImageError("resize_image expects an RGB PIL image; call load_image first")
     h, w = _target_size(img.height, img.width, cfg)
+    if (h, w) == (img.height, img.width):
+        return np.array(img, dtype=np.uint8)  # PIL's resize to the same size is a copy
     # transformers resizes the uint8 RGB image with PIL bicubic and no reducing_gap.
     resized = img.resize((w, h), resample=Image.Resampling.BICUBIC, reducing_gap=None)
     return np.array(resized, dtype=np.uint8)
