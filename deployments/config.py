@@ -85,10 +85,10 @@ class AppArgs(BaseModel):
     gil_switch_interval_s: float | None = Field(
         0.0005,
         gt=0,
-        description="Python's GIL switch interval in encoder and ingress replicas (sys.setswitchinterval). A thread "
-        "coming back from a GIL-releasing call (a CUDA wait in the encoder's device thread, Pillow's decoder "
-        "between chunks in the ingress) waits for the GIL up to this long each time another thread holds it "
-        "(Python's default 5 ms; benchmarks/gil_convoy.py). None: leave it.",
+        description="Python's GIL switch interval in encoder replicas (sys.setswitchinterval). The device thread "
+        "waits in GIL-releasing calls while the event loop unpickles requests; coming back it waits for the "
+        "GIL up to this long each time (Python's default 5 ms; benchmarks/gil_convoy.py). None: leave it. "
+        "Ingress replicas keep Python's default (their idle decode measured no better with 0.5 ms).",
     )
     batcher: Literal["serve", "continuous"] = Field(
         "continuous",

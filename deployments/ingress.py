@@ -20,7 +20,6 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -202,8 +201,6 @@ class VisionIngress:
 
     def __init__(self, encoder: DeploymentHandle, args: dict):
         self.args = a = AppArgs.model_validate(args)
-        if a.gil_switch_interval_s is not None:  # this process is the replica's own
-            sys.setswitchinterval(a.gil_switch_interval_s)
         self._encoder = encoder
         # Big payloads go through Ray's object store (shared memory on one node, no gRPC message cap) even
         # when Serve sends requests over gRPC (RAY_SERVE_THROUGHPUT_OPTIMIZED=1); small ones stay inline.
@@ -397,7 +394,6 @@ class VisionIngress:
             "rss_bytes": rss_bytes(),
             "replica_id": serve.get_replica_context().replica_id.unique_id,
             "timings_ms": {route: t.p50_ms() for route, t in self._timings.items()},
-            "gil_switch_interval_s": sys.getswitchinterval(),
         }
 
     def _overloaded(self) -> BackPressureError:
