@@ -381,7 +381,10 @@ class VisionIngress:
                 out[i] = vectors[pos : pos + len(calls[i].arrays)]
                 pos += len(calls[i].arrays)
 
-        await asyncio.gather(*(run(p, m) for p, m in groups.items()))
+        if len(groups) == 1:  # the usual case: no task for gather to wrap it in
+            await run(*next(iter(groups.items())))
+        else:
+            await asyncio.gather(*(run(p, m) for p, m in groups.items()))
         return out
 
     def ingress_stats(self) -> dict:
