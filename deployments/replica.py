@@ -413,6 +413,10 @@ class EncoderReplica:
             self.engine.stats()
             | dict(self._batches)
             | self.record_routing_stats()
-            | {"replica_id": replica, "gil_switch_interval_s": sys.getswitchinterval()}
-            | {"pipeline_depth": self.pipeline_depth, "timings_ms": self._timings.p50_ms()}
+            | {
+                "replica_id": replica,
+                "gil_switch_interval_s": sys.getswitchinterval(),
+                "pipeline_depth": self.pipeline_depth,
+                "timings_ms": self._timings.p50_ms(),
+            }
         )

@@ -212,13 +212,11 @@ def _exif_transpose(img: Image.Image) -> Image.Image:
 def _to_rgb(img: Image.Image) -> Image.Image:
     """RGB conversion with the same rule as transformers' convert_to_rgb for PIL images."""
     try:
-        if img.mode == "RGB" and img.info.get("transparency") is None:
-            return img  # convert("RGB") would only copy it
         if "A" in img.getbands() or img.info.get("transparency") is not None:
             rgba = img.convert("RGBA")
             white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
             return Image.alpha_composite(white, rgba).convert("RGB")
-        return img.convert("RGB")
+        return img if img.mode == "RGB" else img.convert("RGB")  # converting RGB would only copy it
     except (ValueError, OSError) as e:
         raise InvalidImageError(f"cannot convert image of mode {img.mode} to RGB: {e}") from e
 
