@@ -39,6 +39,23 @@ _FORMAT_ALIASES = {"MPO": "JPEG"}
 _ORIENTATION = 0x0112  # the EXIF tag
 
 
+def std_positive(v: tuple[float, ...]) -> tuple[float, ...]:
+    """Validator shared by the preprocessing configs: every image_std entry > 0."""
+    if any(s <= 0 for s in v):
+        raise ValueError(f"image_std must be > 0, got {v}")
+    return v
+
+
+def known_formats(v) -> frozenset[str]:
+    """Validator shared by the preprocessing configs: a non-empty set of Pillow format names, upper-cased."""
+    Image.init()
+    v = frozenset(f.upper() for f in v)
+    unknown = sorted(v - set(Image.OPEN))
+    if not v or unknown:
+        raise ValueError(f"allowed_formats must be non-empty Pillow format names; unknown: {unknown}")
+    return v
+
+
 class PreprocessConfig(BaseModel):
     """Preprocessing settings; defaults are those of Qwen2-VL / Qwen2.5-VL checkpoints."""
 
@@ -68,19 +85,12 @@ class PreprocessConfig(BaseModel):
     @field_validator("image_std")
     @classmethod
     def _std_positive(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
-        if any(s <= 0 for s in v):
-            raise ValueError(f"image_std must be > 0, got {v}")
-        return v
+        return std_positive(v)
 
     @field_validator("allowed_formats")
     @classmethod
     def _known_formats(cls, v: frozenset[str]) -> frozenset[str]:
-        Image.init()
-        v = frozenset(f.upper() for f in v)
-        unknown = sorted(v - set(Image.OPEN))
-        if not v or unknown:
-            raise ValueError(f"allowed_formats must be non-empty Pillow format names; unknown: {unknown}")
-        return v
+        return known_formats(v)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> PreprocessConfig:

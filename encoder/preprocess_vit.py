@@ -40,9 +40,11 @@ from encoder.preprocess import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     PreprocessConfig,
+    known_formats,
     num_patches,
     preprocess,
     resize_image,
+    std_positive,
 )
 
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
@@ -81,9 +83,7 @@ class VitPreprocessConfig(BaseModel):
     @field_validator("image_std")
     @classmethod
     def _std_positive(cls, v):
-        if any(s <= 0 for s in v):
-            raise ValueError(f"image_std must be > 0, got {v}")
-        return v
+        return std_positive(v)
 
     @field_validator("resample")
     @classmethod
@@ -95,12 +95,7 @@ class VitPreprocessConfig(BaseModel):
     @field_validator("allowed_formats")
     @classmethod
     def _known_formats(cls, v):
-        Image.init()
-        v = frozenset(f.upper() for f in v)
-        unknown = sorted(v - set(Image.OPEN))
-        if not v or unknown:
-            raise ValueError(f"allowed_formats must be non-empty Pillow format names; unknown: {unknown}")
-        return v
+        return known_formats(v)
 
     @model_validator(mode="after")
     def _one_size_rule(self) -> VitPreprocessConfig:
