@@ -64,6 +64,20 @@ def running_app(app, name: str, route_prefix: str = "/") -> Iterator[Service]:
         serve.shutdown()
 
 
+def app_fixture(args: dict, name: str):
+    """A module-scoped `app` fixture: `deployments.build_app(args)` running as `name` (`running_app`).
+    Use as `app = app_fixture(ARGS, "name")` in a test module that lists this plugin."""
+
+    @pytest.fixture(scope="module")
+    def app(ray_cluster) -> Iterator[Service]:
+        from deployments import build_app
+
+        with running_app(build_app(args), name=name) as svc:
+            yield svc
+
+    return app
+
+
 def wait_for(check: Callable[[], bool], timeout_s: float = 60.0, interval_s: float = 0.1, what: str = "") -> None:
     """Poll `check` until it returns True; fail the test after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -20,9 +20,8 @@ from images_util import encode, random_image
 from ray import serve
 
 import encoder
-from deployments import build_app
 from deployments.config import ENCODER_NAME
-from tests.serve_fixtures import make_switch
+from tests.serve_fixtures import app_fixture, make_switch
 
 pytest_plugins = ["tests.serve_fixtures"]
 pytestmark = pytest.mark.slow
@@ -53,12 +52,7 @@ def running_encoders() -> int:
     return app.deployments[ENCODER_NAME].replica_states.get("RUNNING", 0) if app else 0
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    from tests.serve_fixtures import running_app
-
-    with running_app(build_app(ARGS), name=APP) as svc:
-        yield svc
+app = app_fixture(ARGS, APP)
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,8 @@ from images_util import encode, random_image
 from ray import serve
 
 import encoder
-from deployments import build_app
 from deployments.config import ENCODER_NAME
-from tests.serve_fixtures import make_switch
+from tests.serve_fixtures import app_fixture, make_switch
 
 pytest_plugins = ["tests.serve_fixtures"]
 pytestmark = pytest.mark.slow
@@ -46,12 +45,7 @@ ATOL = 1e-4
 FAST_S = 0.1  # the acceptance bound for a rejection
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    from tests.serve_fixtures import running_app
-
-    with running_app(build_app(ARGS), name=APP) as svc:
-        yield svc
+app = app_fixture(ARGS, APP)
 
 
 @pytest.fixture(scope="module")

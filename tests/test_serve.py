@@ -19,8 +19,8 @@ from images_util import encode, png_bomb_header, random_array, random_image
 from PIL import Image
 
 import encoder
-from deployments import build_app
 from encoder.errors import EncoderError, ImageDecodeError, InvalidImageError
+from tests.serve_fixtures import app_fixture
 
 pytest_plugins = ["tests.serve_fixtures"]
 pytestmark = pytest.mark.slow
@@ -35,12 +35,7 @@ APP_ARGS = {
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    from tests.serve_fixtures import running_app
-
-    with running_app(build_app(APP_ARGS), name="vision") as svc:
-        yield svc
+app = app_fixture(APP_ARGS, "vision")
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,13 @@ import pytest
 from images_util import encode, random_image
 
 import encoder
-from deployments import build_app
+from tests.serve_fixtures import app_fixture
 
 pytest_plugins = ["tests.serve_fixtures"]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):
-    from tests.serve_fixtures import running_app
-
-    with running_app(build_app({"model": "tiny-clip", "num_replicas": 1}), name="clip") as svc:
-        yield svc
+app = app_fixture({"model": "tiny-clip", "num_replicas": 1}, "clip")
 
 
 def test_clip_http_and_handle_match_encoder(app):
