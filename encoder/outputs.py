@@ -1,0 +1,26 @@
+"""`LLMOutput`: what an LLM server needs from the vision tower for one image.
+
+A VLM serving stack that runs the encoder as its own service replaces its vision tower with these:
+`tokens` go into the image placeholder positions of the prompt, `deepstack` (Qwen3-VL) is added to
+the hidden states of the LLM's first decoder layers at those positions, and `grid_thw` is what the
+LLM's M-RoPE positions are computed from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LLMOutput:
+    """One image's LLM-ready outputs (float32 CPU tensors)."""
+
+    tokens: torch.Tensor  # [n, out_dim] merger output, == encode(..., pooling="none")
+    grid_thw: tuple[int, int, int]  # the patch grid, == the HF processor's image_grid_thw row
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # one [n, out_dim] per DeepStack layer, model order
+
+    def __post_init__(self):
+        assert len(self.grid_thw) == 3, self.grid_thw
+        assert all(d.shape == self.tokens.shape for d in self.deepstack), "deepstack features must match tokens"
