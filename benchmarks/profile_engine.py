@@ -33,7 +33,7 @@ def main() -> int:
     if args.launch:
         return profile_launch(args)
     enc = encoder.load(args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend)
-    enc.model.fuse_for_speed(128)
+    enc.model.fuse(128)
     for total in map(int, args.patches.split(",")):
         n = max(1, total // 256)
         grid = torch.tensor([[1, 16, 16]] * n)

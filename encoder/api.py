@@ -22,11 +22,13 @@ from .attention import default_backend_name, get_backend
 from .checkpoint import load_config, load_weights, read_json
 from .config import ClipVisionConfig, SiglipVisionConfig, VisionConfig, preset
 from .errors import ConfigError, InvalidArgumentError
-from .geometry import compute_meta, count_windows, frames_of
+from .geometry import frames_of
+from .outputs import LLMOutput
 from .patch_batch import PatchBatch
 from .preprocess import PreprocessConfig, preprocess
 from .preprocess_vit import VitPreprocessConfig, check_matches_model, preprocess_vit
 from .qwen import QwenVisionTower
+from .tower import TowerOutput
 from .vit import VitTower, build_vit_tower
 
 POOLINGS = ("none", "mean", "model", "mean-l2", "model-l2")
@@ -56,7 +58,8 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 std = p.shape[-1] ** -0.5
-                residual_out = ("attn.proj.weight", "mlp.down_proj.weight", "mlp.fc2.weight", "attn.out_proj.weight")
+                residual_out = ("attn.proj.weight", "mlp.down_proj.weight", "mlp.fc2.weight", "attn.out_proj.weight",
+                                "mlp.linear_fc2.weight")  # fmt: skip
                 if name.endswith(residual_out):
                     # residual-branch outputs scaled by 1/sqrt(2 * depth) (GPT-2 style), so a random
                     # tower keeps its branches small against the stream as trained towers do;
@@ -188,32 +191,19 @@ class VisionEncoder:
             raise InvalidArgumentError("grid_thw does not match the number of patches in pixel_values")
 
     @torch.inference_mode()
-    def forward_fixed(self, batch: PatchBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eager forward of a CLIP / SigLIP batch: (patch tokens [n * L, token_dim], embeddings [n, out_dim])."""
+    def run_packed(self, batch: PatchBatch) -> TowerOutput:
+        """Eager forward of a whole batch through the tower's body (`encoder.tower`), on device:
+        tokens [sum tokens, token_dim] in the model dtype, per-frame means, the model's pooled
+        embedding (CLIP / SigLIP), DeepStack features (Qwen3-VL)."""
         self.check_batch(batch)
-        dev = self.device
-        cu = self.model.eager_segments(batch.num_images, dev)
-        return self.model(batch.pixel_values.to(dev, non_blocking=True), cu)
-
-    @torch.inference_mode()
-    def forward_packed(self, batch: PatchBatch) -> torch.Tensor:
-        """Eager forward of a whole batch: [sum tokens, out_dim] in the model dtype, on device.
-
-        CLIP / SigLIP: the patch tokens [n * L, token_dim] (the whole tower runs, head included)."""
-        if self.fixed_resolution:
-            return self.forward_fixed(batch)[0]
-        self.check_batch(batch)
-        dev = self.device
         grid = batch.grid_thw.tolist()
-        frames = frames_of(batch.grid_thw).to(dev)
-        meta = compute_meta(
-            frames,
-            total=batch.pixel_values.shape[0],
-            cfg=self.config,
-            max_seqlen=max(h * w for _, h, w in grid),
-            window_slots=count_windows(grid, self.config),
-        )
-        return self.model(batch.pixel_values.to(dev, non_blocking=True), meta)
+        frames = frames_of(batch.grid_thw).to(self.device)
+        pv = batch.pixel_values.to(self.device, non_blocking=True)
+        return self.model.forward_packed(pv, frames, self.model.batch_bounds(grid))
+
+    def forward_packed(self, batch: PatchBatch) -> torch.Tensor:
+        """The output tokens of `run_packed`: [sum tokens, token_dim] in the model dtype, on device."""
+        return self.run_packed(batch).tokens
 
     def encode(self, images, pooling: str | None = None) -> list[torch.Tensor]:
         """Per image, float32 CPU tensors: tokens [tokens, dim] ("none"), their mean [dim] ("mean"), the
@@ -227,15 +217,27 @@ class VisionEncoder:
         batch = images if isinstance(images, PatchBatch) else self.preprocess(images)
         if batch.num_images == 0:
             return []
-        if self.fixed_resolution:
-            tokens, pooled = self.forward_fixed(batch)
-            outs = list(pooled.cpu().unbind(0)) if base == "model" else None
+        out = self.run_packed(batch)
+        if base == "model":  # fixed-resolution towers: one frame per image
+            outs = list(out.pooled.cpu().unbind(0))
         else:
-            tokens = self.forward_packed(batch)
-            outs = None
-        if outs is None:
-            outs = pool_outputs(tokens.cpu(), self.output_counts(batch.grid_thw), base)
+            outs = pool_outputs(out.tokens.cpu(), self.output_counts(batch.grid_thw), base)
         return l2_normalize(outs) if l2 else outs
+
+    def encode_llm(self, images) -> list[LLMOutput]:
+        """Per image, what an LLM server needs in place of its vision tower (`encoder.outputs.LLMOutput`):
+        the merger tokens, the DeepStack features (model order; [] for towers without) and the patch grid."""
+        batch = images if isinstance(images, PatchBatch) else self.preprocess(images)
+        if batch.num_images == 0:
+            return []
+        out = self.run_packed(batch)
+        counts = self.output_counts(batch.grid_thw)
+        tokens = pool_outputs(out.tokens.cpu(), counts, "none")
+        deep = [pool_outputs(d.cpu(), counts, "none") for d in out.deepstack]
+        return [
+            LLMOutput(tokens[i], tuple(batch.grid_thw[i].tolist()), [d[i] for d in deep])
+            for i in range(batch.num_images)
+        ]
 
 
 def default_device() -> torch.device:
@@ -267,11 +269,26 @@ def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
         return VitPreprocessConfig.from_hf_dict(raw, config)
     if raw is not None:
         return PreprocessConfig.from_hf_dict(raw)
+    from .config import Qwen3VLVisionConfig
+
+    if isinstance(config, Qwen3VLVisionConfig):
+        # transformers has no Qwen3-VL defaults (its Qwen2VLImageProcessor defaults are Qwen2-VL's:
+        # patch 14, CLIP mean/std); these are the published Qwen3-VL / Qwen3.5 preprocessor_config.json
+        return PreprocessConfig(
+            min_pixels=65536, max_pixels=16777216, patch_size=config.patch_size,
+            temporal_patch_size=config.temporal_patch_size, merge_size=config.spatial_merge_size,
+            image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+        )  # fmt: skip
     return PreprocessConfig(patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
                             merge_size=config.spatial_merge_size)  # fmt: skip
 
 
-def build_tower(config: VisionConfig, backend) -> QwenVisionTower | VitTower:
+def build_tower(config: VisionConfig, backend) -> QwenVisionTower | Qwen3VisionTower | VitTower:
+    from .config import Qwen3VLVisionConfig
+    from .qwen3 import Qwen3VisionTower
+
+    if isinstance(config, Qwen3VLVisionConfig):
+        return Qwen3VisionTower(config, backend)
     return build_vit_tower(config, backend) if is_fixed_resolution(config) else QwenVisionTower(config, backend)
 
 

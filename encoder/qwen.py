@@ -15,8 +15,10 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import Qwen25VLVisionConfig, VisionConfig
-from .geometry import VisionMeta
+from .fusion import concat_linears, pad_linear, round_up
+from .geometry import VisionMeta, compute_meta, count_windows
 from .kernels import add_norm, quick_gelu, rotary_qkv, silu_mul
+from .tower import Bounds, TowerOutput, frames_dummy, segment_means
 
 
 class RMSNorm(nn.Module):
@@ -52,13 +54,20 @@ class VisionAttention(nn.Module):
 
 
 class QuickGeluMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, layers: tuple[nn.Linear, nn.Linear] | None = None):
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc1, self.fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
 
     def forward(self, x):
         return self.fc2(quick_gelu(self.fc1(x)))
+
+    def fused(self, multiple: int) -> QuickGeluMLP:
+        """The same MLP with its hidden width zero-padded to a multiple (exact: act(0) = 0)."""
+        width = round_up(self.fc1.out_features, multiple)
+        if width == self.fc1.out_features:
+            return self
+        fc1, fc2 = pad_linear(self.fc1, out_features=width), pad_linear(self.fc2, in_features=width)
+        return QuickGeluMLP(fc1.in_features, width, layers=(fc1, fc2))
 
 
 class SwiGLUMLP(nn.Module):
@@ -69,19 +78,27 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=True)
 
     def forward(self, x):
-        if hasattr(self, "gate_up"):
-            return self.down_proj(silu_mul(self.gate_up(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    @torch.no_grad()
-    def fuse_gate_up(self) -> None:
-        """One GEMM for gate and up ([2F, D]); the activation kernel reads both halves."""
-        gate, up = self.gate_proj, self.up_proj
-        self.gate_up = nn.Linear(gate.in_features, 2 * gate.out_features, device=gate.weight.device,
-                                 dtype=gate.weight.dtype)  # fmt: skip
-        self.gate_up.weight.copy_(torch.cat([gate.weight, up.weight]))
-        self.gate_up.bias.copy_(torch.cat([gate.bias, up.bias]))
-        del self.gate_proj, self.up_proj
+    def fused(self, multiple: int) -> FusedSwiGLUMLP:
+        """The same MLP as one gate|up GEMM ([2F, D]), F zero-padded to a multiple (exact)."""
+        width = round_up(self.gate_proj.out_features, multiple)
+        gate, up = (pad_linear(lin, out_features=width) for lin in (self.gate_proj, self.up_proj))
+        return FusedSwiGLUMLP(concat_linears(gate, up), pad_linear(self.down_proj, in_features=width))
+
+
+class FusedSwiGLUMLP(nn.Module):
+    """SwiGLU with gate and up in one GEMM; the activation kernel reads both halves."""
+
+    def __init__(self, gate_up: nn.Linear, down_proj: nn.Linear):
+        super().__init__()
+        self.gate_up, self.down_proj = gate_up, down_proj
+
+    def forward(self, x):
+        return self.down_proj(silu_mul(self.gate_up(x)))
+
+    def fused(self, multiple: int) -> FusedSwiGLUMLP:
+        return self
 
 
 class VisionBlock(nn.Module):
@@ -129,9 +146,14 @@ class PatchEmbed(nn.Module):
 
 
 class QwenVisionTower(nn.Module):
+    """Qwen2-VL / Qwen2.5-VL tower; implements `encoder.tower.GraphTower`."""
+
+    patches_per_image = None  # variable resolution
+
     def __init__(self, cfg: VisionConfig, backend: AttentionBackend):
         super().__init__()
         self.cfg = cfg
+        self.patch_dim, self.merge_unit = cfg.patch_dim, cfg.merge_unit
         full = set(getattr(cfg, "fullatt_block_indexes", range(cfg.depth)))
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg, i in full) for i in range(cfg.depth))
@@ -143,49 +165,29 @@ class QwenVisionTower(nn.Module):
         for blk in self.blocks:
             blk.attn.backend = backend
 
-    @torch.no_grad()
-    def pad_mlp_width(self, multiple: int = 128) -> int:
-        """Zero-pad every MLP's hidden width up to a multiple (Qwen2.5's 3420 -> 3456).
-
-        Exact: padded units get zero input weights and bias, so their activation is
-        act(0) * 0 = 0 (SwiGLU) or act(0) = 0 (QuickGELU), and zero output weights. GEMMs with
-        a width that is a multiple of 128 run much faster on tensor cores. Returns the new width.
-        """
-
-        def grow(linear: nn.Linear, dim: int, new: int) -> None:
-            w = linear.weight
-            shape = list(w.shape)
-            shape[dim] = new - shape[dim]
-            linear.weight = nn.Parameter(torch.cat([w, w.new_zeros(shape)], dim=dim))
-            if dim == 0 and linear.bias is not None:
-                linear.bias = nn.Parameter(torch.cat([linear.bias, linear.bias.new_zeros(shape[0])]))
-            if dim == 0:
-                linear.out_features = new
-            else:
-                linear.in_features = new
-
-        width = self.cfg.mlp_dim
-        new = -(-width // multiple) * multiple
-        if new == width:
-            return width
+    def fuse(self, pad_mlp: int = 128) -> None:
+        """Inference-only layout changes, all exact, as new modules: MLP width zero-padded to a
+        multiple of `pad_mlp`, SwiGLU's gate and up in one GEMM. Idempotent."""
         for blk in self.blocks:
-            mlp = blk.mlp
-            assert not hasattr(mlp, "gate_up"), "pad the MLP width before fusing gate and up"
-            ins = [mlp.gate_proj, mlp.up_proj] if isinstance(mlp, SwiGLUMLP) else [mlp.fc1]
-            out = mlp.down_proj if isinstance(mlp, SwiGLUMLP) else mlp.fc2
-            for lin in ins:
-                grow(lin, 0, new)
-            grow(out, 1, new)
-        return new
+            blk.mlp = blk.mlp.fused(pad_mlp)
 
-    def fuse_for_speed(self, pad_mlp: int = 128) -> None:
-        """Inference-only layout changes, all exact: MLP width padded, gate and up in one GEMM."""
-        fused_already = any(hasattr(blk.mlp, "gate_up") for blk in self.blocks)
-        if pad_mlp and not fused_already:
-            self.pad_mlp_width(pad_mlp)
-        for blk in self.blocks:
-            if isinstance(blk.mlp, SwiGLUMLP) and not hasattr(blk.mlp, "gate_up"):
-                blk.mlp.fuse_gate_up()
+    # -- the graph protocol (encoder.tower) -------------------------------------------------------
+    def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds:
+        return Bounds(min(max_image_patches, budget), budget // self.merge_unit)
+
+    def batch_bounds(self, grid: list[list[int]]) -> Bounds:
+        return Bounds(max(h * w for _, h, w in grid), count_windows(grid, self.cfg))
+
+    def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor:
+        return frames_dummy(budget, max_images, bounds, self.cfg.spatial_merge_size)
+
+    def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
+        # pixel_values: [S, C*T*P*P]; frames_hw: [F, 2] (zero rows: empty slots; rows past the
+        # frames' sum: padding). Geometry from data, so the same ops replay for any split.
+        meta = compute_meta(frames_hw, pixel_values.shape[0], self.cfg, bounds.max_seqlen, bounds.window_slots)
+        tokens = self(pixel_values, meta)  # [S / mu, out_dim]
+        means = segment_means(tokens, meta.cu_seqlens // self.merge_unit, frames_hw.shape[0])
+        return TowerOutput(tokens, means)
 
     def forward_features(self, pixel_values: torch.Tensor, meta: VisionMeta) -> torch.Tensor:
         # pixel_values: [S, C*T*P*P] in HF order -> [S, D] block outputs in the blocks' order

@@ -31,8 +31,10 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import ClipVisionConfig, SiglipVisionConfig, VitVisionConfig
+from .fusion import concat_linears, pad_linear, round_up
 from .kernels import add_norm, quick_gelu
 from .qwen import norm_args
+from .tower import Bounds, TowerOutput
 
 
 def activation(h: torch.Tensor, name: str) -> torch.Tensor:
@@ -46,18 +48,25 @@ def activation(h: torch.Tensor, name: str) -> torch.Tensor:
 
 
 class VitMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
+    def __init__(self, dim: int, hidden: int, act: str, layers: tuple[nn.Linear, nn.Linear] | None = None):
         super().__init__()
         self.act = act
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc1, self.fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
 
     def forward(self, x):
         return self.fc2(activation(self.fc1(x), self.act))
 
+    def fused(self, multiple: int) -> VitMLP:
+        """The same MLP, hidden width zero-padded to a multiple (exact: every activation has act(0) = 0)."""
+        width = round_up(self.fc1.out_features, multiple)
+        if width == self.fc1.out_features:
+            return self
+        fc1, fc2 = pad_linear(self.fc1, out_features=width), pad_linear(self.fc2, in_features=width)
+        return VitMLP(fc1.in_features, width, self.act, layers=(fc1, fc2))
+
 
 class VitAttention(nn.Module):
-    """Self-attention over packed tokens; q/k/v projections as in HF, fused into one GEMM by `fuse_qkv`."""
+    """Self-attention over packed tokens; q/k/v projections as in HF (`fused()` puts them in one GEMM)."""
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -68,30 +77,38 @@ class VitAttention(nn.Module):
         self.out_proj = nn.Linear(dim, dim)
         self.backend: AttentionBackend | None = None  # set by the tower
 
+    def qkv(self, x: torch.Tensor):
+        s, d = x.shape
+        heads = self.num_heads
+        return (proj(x).view(s, heads, d // heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
+
     def forward(self, x, cu_seqlens, max_seqlen):
         # x: [S, D] packed tokens in the model dtype
         s, d = x.shape
-        heads = self.num_heads
-        if hasattr(self, "qkv"):
-            # views with unit stride on the head dim; every backend accepts the other strides
-            q, k, v = self.qkv(x).view(s, 3, heads, d // heads).unbind(1)
-        else:
-            q, k, v = (proj(x).view(s, heads, d // heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = torch.empty(s, heads, d // heads, dtype=q.dtype, device=q.device)
+        q, k, v = self.qkv(x)
+        out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=q.dtype, device=q.device)
         self.backend(q, k, v, cu_seqlens, max_seqlen, out)
         return self.out_proj(out.view(s, d))
 
-    @torch.no_grad()
-    def fuse_qkv(self) -> None:
-        """One [3D, D] GEMM for q, k and v (exact: the same dot products)."""
-        if hasattr(self, "qkv"):
-            return
-        q, k, v = self.q_proj, self.k_proj, self.v_proj
-        w = q.weight
-        self.qkv = nn.Linear(q.in_features, 3 * q.out_features, device=w.device, dtype=w.dtype)
-        self.qkv.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
-        self.qkv.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
-        del self.q_proj, self.k_proj, self.v_proj
+    def fused(self) -> FusedQKVAttention:
+        return FusedQKVAttention(concat_linears(self.q_proj, self.k_proj, self.v_proj), self.out_proj, self)
+
+
+class FusedQKVAttention(VitAttention):
+    """The same attention with q, k and v in one [3D, D] GEMM (exact: the same dot products)."""
+
+    def __init__(self, qkv_proj: nn.Linear, out_proj: nn.Linear, like: VitAttention):
+        nn.Module.__init__(self)
+        self.num_heads, self.backend = like.num_heads, like.backend
+        self.qkv_proj, self.out_proj = qkv_proj, out_proj
+
+    def qkv(self, x: torch.Tensor):
+        # views with unit stride on the head dim; every backend accepts the other strides
+        s, d = x.shape
+        return self.qkv_proj(x).view(s, 3, self.num_heads, d // self.num_heads).unbind(1)
+
+    def fused(self) -> FusedQKVAttention:
+        return self
 
 
 class VitLayer(nn.Module):
@@ -200,10 +217,17 @@ class VitTower(nn.Module):
         self.encoder = VitEncoder(cfg)
         self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
 
-    # -- what the runner reads ---------------------------------------------------------------------
+    # -- the graph protocol (encoder.tower) ------------------------------------------------------
+    # every image is L patches: a bucket is n whole images (budget n * L), one segment of T tokens each
+
+    @property
+    def patch_dim(self) -> int:
+        return self.cfg.patch_dim
+
+    merge_unit = 1  # one output token per patch
+
     @property
     def patches_per_image(self) -> int:
-        """Fixed patch rows per image: marks a fixed-resolution tower (buckets are image counts)."""
         return self.cfg.num_patches
 
     @property
@@ -214,6 +238,15 @@ class VitTower(nn.Module):
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layers
 
+    def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds:
+        return Bounds(self.seq_len)
+
+    def batch_bounds(self, grid: list[list[int]]) -> Bounds:
+        return Bounds(self.seq_len)
+
+    def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor:
+        return torch.tensor([self.cfg.grid, self.cfg.grid]).repeat(max_images, 1)  # every slot real
+
     def segments(self, frames_hw: torch.Tensor) -> torch.Tensor:
         """cu_seqlens [N + 1] int32 for N image slots; slots with a zero (h, w) row are empty segments.
 
@@ -223,8 +256,12 @@ class VitTower(nn.Module):
         real = (frames_hw[:, 0] * frames_hw[:, 1] > 0).to(torch.int32)
         return F.pad(torch.cumsum(real * self.seq_len, 0), (1, 0)).to(torch.int32)
 
-    def eager_segments(self, num_images: int, device) -> torch.Tensor:
-        return torch.arange(num_images + 1, dtype=torch.int32, device=device) * self.seq_len
+    def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
+        # pixel_values: [n * L, C*P*P] for n = frames_hw.shape[0] slots; padding slots are whole
+        # images of stale rows in empty segments, never mixed with real ones
+        tokens, pooled = self(pixel_values, self.segments(frames_hw))  # [n * L, dim], [n, out_dim]
+        means = tokens.view(frames_hw.shape[0], self.cfg.num_patches, -1).float().mean(1)
+        return TowerOutput(tokens, means, pooled)
 
     # -- layout changes ---------------------------------------------------------------------------
     def set_backend(self, backend: AttentionBackend) -> None:
@@ -232,35 +269,12 @@ class VitTower(nn.Module):
         for layer in self.encoder.layers:
             layer.self_attn.backend = backend
 
-    @torch.no_grad()
-    def pad_mlp_width(self, multiple: int = 128) -> int:
-        """Zero-pad the blocks' MLP hidden width to a multiple (SigLIP's 4304 -> 4352).
-
-        Exact: padded units get zero input weights and bias, so their activation is act(0) = 0 for
-        every supported activation, and zero output weights. Returns the new width.
-        """
-        width = self.cfg.mlp_dim
-        new = -(-width // multiple) * multiple
-        if new == width:
-            return width
+    def fuse(self, pad_mlp: int = 128) -> None:
+        """Inference-only layout changes, all exact, as new modules: the blocks' MLP width zero-padded
+        to a multiple of `pad_mlp` (SigLIP's 4304 -> 4352), q/k/v in one GEMM. Idempotent."""
         for layer in self.encoder.layers:
-            fc1, fc2 = layer.mlp.fc1, layer.mlp.fc2
-            extra = new - fc1.out_features
-            if extra <= 0:
-                continue
-            fc1.weight = nn.Parameter(torch.cat([fc1.weight, fc1.weight.new_zeros(extra, fc1.in_features)]))
-            fc1.bias = nn.Parameter(torch.cat([fc1.bias, fc1.bias.new_zeros(extra)]))
-            fc1.out_features = new
-            fc2.weight = nn.Parameter(torch.cat([fc2.weight, fc2.weight.new_zeros(fc2.out_features, extra)], dim=1))
-            fc2.in_features = new
-        return new
-
-    def fuse_for_speed(self, pad_mlp: int = 128) -> None:
-        """Inference-only layout changes, all exact: MLP width padded, q/k/v in one GEMM."""
-        if pad_mlp:
-            self.pad_mlp_width(pad_mlp)
-        for layer in self.encoder.layers:
-            layer.self_attn.fuse_qkv()
+            layer.mlp = layer.mlp.fused(pad_mlp)
+            layer.self_attn = layer.self_attn.fused()
 
     # -- forward ----------------------------------------------------------------------------------
     def check_input(self, pixel_values: torch.Tensor) -> None:

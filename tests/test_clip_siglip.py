@@ -321,8 +321,10 @@ def test_random_presets_are_deterministic_and_padding_is_exact():
         assert torch.equal(pa, pb), name
     images = [random_image("RGB", 64, 64, seed=s) for s in range(3)]
     before = {p: a.encode(images, p) for p in ("model", "none")}
-    a.model.fuse_for_speed(128)  # MLP 136 -> 256 zero-padded, q/k/v fused
-    assert a.model.blocks[0].mlp.fc1.out_features == 256 and hasattr(a.model.blocks[0].self_attn, "qkv")
+    a.model.fuse(128)  # MLP 136 -> 256 zero-padded, q/k/v fused (new modules)
+    assert a.model.blocks[0].mlp.fc1.out_features == 256 and hasattr(a.model.blocks[0].self_attn, "qkv_proj")
+    a.model.fuse(128)  # idempotent
+    assert a.model.blocks[0].mlp.fc1.out_features == 256
     for pooling, outs in before.items():
         for x, y in zip(a.encode(images, pooling), outs, strict=True):
             assert rel_err(x, y) <= 1e-6

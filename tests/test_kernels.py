@@ -62,10 +62,10 @@ def test_kernels_gpu(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2-vl"])
-def test_fuse_for_speed_is_exact(name):
+def test_fuse_is_exact(name):
     enc = encoder.load(name, device="cpu")
     batch = random_batch([[1, 8, 12], [1, 6, 6]], enc.config.patch_dim, seed=0)
     before = enc.encode(batch)
-    enc.model.fuse_for_speed(128)
+    enc.model.fuse(128)
     after = enc.encode(batch)
     assert all(rel_err(a, b) <= 1e-6 for a, b in zip(after, before, strict=True))

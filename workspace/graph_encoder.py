@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
+from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
 from workspace.buckets import BucketKey, BucketTable, default_table
 from workspace.runner import GraphRunner
@@ -22,8 +23,8 @@ MAX_GRAPH_IMAGES = 256
 
 def max_image_patches(enc: VisionEncoder) -> int:
     """Patches of the largest image preprocessing can produce (max_pixels / patch area)."""
-    if enc.fixed_resolution:
-        return enc.config.num_patches
+    if enc.model.patches_per_image is not None:
+        return enc.model.patches_per_image
     pp = enc.preprocess_config
     return pp.max_pixels // (pp.patch_size**2)
 
@@ -89,6 +90,29 @@ class PendingEncode:
         return l2_normalize(outs) if self._l2 else outs
 
 
+class PendingLLM:
+    """`encode_llm` whose device work may still run; `result()` waits and splits per image."""
+
+    def __init__(self, host, event, sizes: list[int], layers: int, grid: list[list[int]]):
+        self._host, self._event, self._sizes, self._layers, self._grid = host, event, sizes, layers, grid
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> list[LLMOutput]:
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        # host: [(1 + layers) * total, out_dim]: tokens, then each DeepStack layer, each packed per image
+        planes = self._host.view(1 + self._layers, -1, self._host.shape[-1]).unbind(0)
+        split = [torch.split(p, self._sizes) for p in planes]
+        return [
+            LLMOutput(split[0][i], tuple(self._grid[i]), [split[k][i] for k in range(1, 1 + self._layers)])
+            for i in range(len(self._sizes))
+        ]
+
+
 class GraphEncoder:
     """Same `preprocess` / `encode` as `VisionEncoder`; captures every bucket at construction.
 
@@ -98,23 +122,24 @@ class GraphEncoder:
 
     def __init__(self, vision_encoder: VisionEncoder, buckets=None, *, debug: bool = False, pad_mlp: int = 128):
         self.encoder = vision_encoder
+        tower = vision_encoder.model
         if vision_encoder.device.type == "cuda":
-            # exact layout changes (zero-padded MLP width, fused gate/up GEMM) for faster GEMMs;
+            # exact layout changes (zero-padded MLP width, fused GEMMs) built as new modules;
             # the eager encoder shares the model and stays equal
-            vision_encoder.model.fuse_for_speed(pad_mlp)
+            tower.fuse(pad_mlp)
         limit = max_image_patches(vision_encoder)
-        if vision_encoder.fixed_resolution:
-            cap = vision_encoder.model.backend.max_graph_tokens
-            table = fixed_table(vision_encoder.config.num_patches, buckets, cap if buckets is None else None)
+        if tower.patches_per_image is not None:
+            cap = tower.backend.max_graph_tokens
+            table = fixed_table(tower.patches_per_image, buckets, cap if buckets is None else None)
         elif buckets is None:
             cap = vision_encoder.model.backend.max_graph_tokens
             table = default_table(max_budget=min(32768, cap or 32768))
         elif isinstance(buckets, BucketTable):
             table = buckets
         else:
-            table = BucketTable.parse(buckets, granule=vision_encoder.config.merge_unit)
+            table = BucketTable.parse(buckets, granule=tower.merge_unit)
         self.table = table
-        self.runner = GraphRunner(vision_encoder.model, table, max_image_patches=limit, debug=debug)
+        self.runner = GraphRunner(tower, table, max_image_patches=limit, debug=debug)
 
     @property
     def config(self):
@@ -167,6 +192,24 @@ class GraphEncoder:
             sizes = [t.shape[0] for t in out.tokens]
         host, event = to_host(flat)
         return PendingEncode(host, event, sizes, l2)
+
+    @torch.inference_mode()
+    def encode_llm(self, images) -> list[LLMOutput]:
+        """Per image, the LLM-ready outputs (`encoder.outputs.LLMOutput`), as `VisionEncoder.encode_llm`."""
+        return self.encode_llm_async(images).result()
+
+    @torch.inference_mode()
+    def encode_llm_async(self, images) -> PendingLLM:
+        """`encode_llm` without waiting for the device (see `encode_async`): one copy to pinned host memory."""
+        batch = images if isinstance(images, PatchBatch) else self.preprocess(images)
+        if batch.num_images == 0:
+            return PendingLLM(None, None, [], 0, [])
+        self.encoder.check_batch(batch)
+        out = self.runner.run_all(batch.pixel_values, batch.grid_thw)
+        layers = len(out.deepstack[0])
+        flat = torch.cat(out.tokens + [d[k] for k in range(layers) for d in out.deepstack]).float()
+        host, event = to_host(flat)
+        return PendingLLM(host, event, [t.shape[0] for t in out.tokens], layers, batch.grid_thw.tolist())
 
     def stats(self) -> dict:
         return self.runner.stats.as_dict()

@@ -6,11 +6,10 @@ pool. A batch is split into packs (`BucketTable.pack`); each pack is written int
 per-image bound) run eagerly through the same body. Without CUDA nothing is captured and every
 pack runs that body eagerly, so CPU tests exercise packing, padding and geometry.
 
-Fixed-resolution towers (CLIP, SigLIP; a tower with `patches_per_image`) run through the same
-runner: every image is L patches, so a bucket is an image count n (budget n * L, max_images n) and
-packing by patch count is packing by image count. Their body computes `cu_seqlens` inside the graph
-from `frames_hw` (real image slots first, the rest empty segments) and also writes each slot's
-model embedding (`Workspace.pooled`).
+The runner knows no tower family: it talks to the tower only through `encoder.tower.GraphTower`
+(static bounds per bucket, a capture geometry, the body, the outputs it writes). A fixed-resolution
+tower (`patches_per_image` = L) needs buckets of whole images (budget n * L, max_images n), so
+packing by patch count is packing by image count.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder.geometry import compute_meta, count_windows, frames_of
-from encoder.qwen import QwenVisionTower
-from encoder.vit import VitTower
+from encoder.geometry import frames_of
+from encoder.tower import Bounds, GraphTower, TowerOutput
 from workspace.buckets import BucketKey, BucketTable, Pack
 from workspace.buffers import Workspace
 
@@ -40,6 +38,7 @@ class RunOutput:
     tokens: list[torch.Tensor]  # [n_i, dim] each, device, model dtype (CLIP: float32)
     means: torch.Tensor  # [N, dim] float32
     pooled: torch.Tensor | None  # [N, out_dim] float32 model embeddings (CLIP / SigLIP), else None
+    deepstack: list[list[torch.Tensor]] = field(default_factory=list)  # [image][layer] -> [n_i, out_dim]
 
 
 @dataclass
@@ -71,15 +70,16 @@ class RunnerStats:
 class GraphRunner:
     def __init__(
         self,
-        tower: QwenVisionTower | VitTower,
+        tower: GraphTower,
         table: BucketTable,
         max_image_patches: int,
         *,
         use_graphs: bool | None = None,
         debug: bool = False,
     ):
+        if not isinstance(tower, GraphTower):
+            raise TypeError(f"{type(tower).__name__} does not implement encoder.tower.GraphTower")
         self.tower = tower
-        self.cfg = tower.cfg
         self.table = table
         self.device = next(tower.parameters()).device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
@@ -89,84 +89,43 @@ class GraphRunner:
         self.workspaces: dict[BucketKey, Workspace] = {}
         self.graphs: dict[BucketKey, torch.cuda.CUDAGraph] = {}
         self._lock = threading.Lock()
-        # fixed-resolution towers: patches per image (every bucket is a whole number of images)
-        self.fixed: int | None = getattr(tower, "patches_per_image", None)
+        per_image = tower.patches_per_image
         for key in table.keys:
-            if self.fixed is not None and key.budget != key.max_images * self.fixed:
+            if per_image is not None and key.budget != key.max_images * per_image:
                 raise GraphCaptureError(
-                    f"bucket {key} does not hold whole images of {self.fixed} patches; a fixed-resolution tower "
+                    f"bucket {key} does not hold whole images of {per_image} patches; a fixed-resolution tower "
                     "needs buckets of n images x patches per image (workspace.graph_encoder.image_count_table)"
                 )
-            if key.budget % self.cfg.merge_unit:
-                raise GraphCaptureError(f"bucket budget {key.budget} is not a multiple of {self.cfg.merge_unit}")
+            if key.budget % tower.merge_unit:
+                raise GraphCaptureError(f"bucket budget {key.budget} is not a multiple of {tower.merge_unit}")
         if self.use_graphs:
             self._capture_all()
 
     # -- the body every bucket runs (captured, or eager on CPU) --------------------------------
-    def _body(self, ws: Workspace, bounds: tuple[int, int] | None = None) -> None:
-        # geometry from the small per-frame table, inside the graph: no host reads of image data.
-        # `bounds` (max_seqlen, window_slots) tightens the static bounds when nothing is captured:
-        # same buffers and padding, but attention sized to the batch (the CPU reference attention
-        # costs memory quadratic in these bounds)
-        if self.fixed is not None:
-            return self._body_fixed(ws)
-        max_seqlen, window_slots = bounds or (ws.max_seqlen, ws.window_slots)
-        meta = compute_meta(ws.frames_hw, ws.key.budget, self.cfg, max_seqlen, window_slots)
-        tokens = self.tower(ws.pixel_values, meta)  # [budget / mu, out_dim]
-        # per-image mean pooling as data too: token -> frame via the full-attention boundaries
-        mu = self.cfg.merge_unit
-        ends = meta.cu_seqlens[1:].long() // mu
-        t = torch.arange(tokens.shape[0], device=tokens.device)
-        img = torch.searchsorted(ends, t, right=True)
-        real = img < ws.key.max_images
-        sums = torch.zeros(ws.key.max_images + 1, tokens.shape[1], dtype=torch.float32, device=tokens.device)
-        sums.index_add_(0, torch.where(real, img, ws.key.max_images), tokens.float())
-        counts = (ends - torch.nn.functional.pad(ends[:-1], (1, 0))).clamp(min=1)
-        means = sums[:-1] / counts[:, None]
-        if ws.tokens is None:
-            ws.tokens, ws.means, ws.meta = tokens, means, meta
+    def _body(self, ws: Workspace, bounds: Bounds | None = None) -> None:
+        # `bounds` tightens the static ones when nothing is captured: same buffers and padding, but
+        # attention sized to the batch (the CPU reference attention costs memory quadratic in them)
+        out = self.tower.forward_packed(ws.pixel_values, ws.frames_hw, bounds or ws.bounds)
+        if ws.out is None:
+            ws.out = out
         else:
-            ws.tokens.copy_(tokens)
-            ws.means.copy_(means)
-
-    def _body_fixed(self, ws: Workspace) -> None:
-        # CLIP / SigLIP: segments from the real image slots, computed from data inside the graph
-        cu_seqlens = self.tower.segments(ws.frames_hw)
-        tokens, pooled = self.tower(ws.pixel_values, cu_seqlens)  # [budget, dim], [max_images, out_dim]
-        # per-slot means: padding slots are whole images of stale rows, never mixed with real ones
-        means = tokens.view(ws.key.max_images, self.fixed, -1).float().mean(1)
-        if ws.tokens is None:
-            ws.tokens, ws.means, ws.pooled = tokens, means, pooled
-        else:
-            ws.tokens.copy_(tokens)
-            ws.means.copy_(means)
-            ws.pooled.copy_(pooled)
+            ws.out.copy_(out)
 
     def _workspace(self, key: BucketKey) -> Workspace:
         ws = self.workspaces.get(key)
         if ws is None:
+            bounds = self.tower.bucket_bounds(key.budget, key.max_images, self.max_image_patches)
             # normal tensors even when first needed under inference_mode: tests and debug tools
             # may write into them later
             with torch.inference_mode(False):
-                ws = Workspace.allocate(
-                    key, self.cfg.patch_dim, self.max_image_patches, self.cfg.merge_unit, self.device
-                )
+                ws = Workspace.allocate(key, self.tower.patch_dim, bounds, self.device)
             self.workspaces[key] = ws
         return ws
 
     def _fill_dummy(self, ws: Workspace) -> None:
-        # a valid geometry for warm-up and capture: one image spanning the budget (2 x budget/2)
-        # or, when the bucket bounds one image's size, as many bound-size images as fit
-        m = self.cfg.spatial_merge_size
+        # a valid geometry for warm-up and capture, random patches
         ws.pixel_values.normal_()
-        ws.frames_hw.zero_()
-        if self.fixed is not None:  # every image slot real
-            ws.frames_hw.copy_(torch.tensor([self.cfg.grid, self.cfg.grid]).expand_as(ws.frames_hw))
-            return
-        rows = max(1, min(ws.key.max_images, -(-ws.key.budget // ws.max_seqlen)))
-        per = ws.key.budget // rows // (m * m) * (m * m)
-        for i in range(rows):
-            ws.frames_hw[i] = torch.tensor([m, per // m])
+        ws.frames_hw.copy_(self.tower.dummy_frames(ws.key.budget, ws.key.max_images, ws.bounds))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -183,7 +142,7 @@ class GraphRunner:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 self._body(ws)  # warm-up: kernel JIT, cuBLAS workspaces, first allocations
-                ws.tokens = ws.means = ws.meta = ws.pooled = None
+                ws.out = None
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -212,32 +171,40 @@ class GraphRunner:
         return out.tokens, out.means
 
     def run_all(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> RunOutput:
-        """Tokens and means per image, plus the model embeddings of a CLIP / SigLIP tower."""
+        """Tokens and means per image, plus the model embeddings and DeepStack features where the tower has them."""
         grid = grid_thw.tolist()
         counts = [t * h * w for t, h, w in grid]
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
-        out_tokens: list[torch.Tensor | None] = [None] * len(counts)
-        out_means: list[torch.Tensor | None] = [None] * len(counts)
-        out_pooled: list[torch.Tensor | None] = [None] * len(counts)
+        n = len(counts)
+        out_tokens: list[torch.Tensor | None] = [None] * n
+        out_means: list[torch.Tensor | None] = [None] * n
+        out_pooled: list[torch.Tensor | None] = [None] * n
+        out_deep: list[list[torch.Tensor]] = [[] for _ in range(n)]
         with self._lock:
             for pack in self.table.pack(counts):
-                frames_ok = all(grid[i][0] == 1 for i in pack.indices)
-                if self._fits(pack, counts) and frames_ok:
-                    toks, means, pooled = self._run_bucket(pack, pixel_values, grid, starts)
-                else:
-                    toks, means, pooled = self._run_eager(pack, pixel_values, grid_thw, starts)
+                in_bucket = self._fits(pack, counts) and all(grid[i][0] == 1 for i in pack.indices)
+                run = self._run_bucket if in_bucket else self._run_eager
+                toks, means, pooled, deep = run(pack, pixel_values, grid, starts)
                 for j, i in enumerate(pack.indices):
                     out_tokens[i], out_means[i] = toks[j], means[j]
+                    out_deep[i] = [d[j] for d in deep]
                     if pooled is not None:
                         out_pooled[i] = pooled[j]
                 self.stats.images += len(pack.indices)
                 self.stats.real_patches += pack.total
-                self.stats.padded_patches += pack.padded if self._fits(pack, counts) and frames_ok else 0
+                self.stats.padded_patches += pack.padded if in_bucket else 0
         means = torch.stack(out_means) if out_means else torch.empty(0)
-        pooled = torch.stack(out_pooled) if self.fixed is not None and out_pooled else None
-        return RunOutput(out_tokens, means, pooled)
+        pooled = torch.stack(out_pooled) if out_pooled and out_pooled[0] is not None else None
+        return RunOutput(out_tokens, means, pooled, out_deep)
+
+    def _split(self, out: TowerOutput, rows: int, sizes: list[int]):
+        # copy out now: the next replay (of any bucket) may reuse the shared pool
+        n_tok = rows // self.tower.merge_unit
+        tokens = list(torch.split(out.tokens[:n_tok].clone(), sizes))
+        deep = [list(torch.split(d[:n_tok].clone(), sizes)) for d in out.deepstack]
+        return tokens, deep
 
     def _run_bucket(self, pack: Pack, pixel_values, grid, starts):
         ws = self._workspace(pack.key)
@@ -255,38 +222,24 @@ class GraphRunner:
                 assert ws.input_ptrs() == ws.captured_ptrs, f"bucket {pack.key}: inputs moved since capture"
             self.graphs[pack.key].replay()
         else:
-            sub = [grid[i] for i in idx]
-            self._body(ws, (max(h * w for _, h, w in sub), count_windows(sub, self.cfg)))
+            self._body(ws, self.tower.batch_bounds([grid[i] for i in idx]))
         self.stats.replays[pack.key.budget] += 1
-        mu = self.cfg.merge_unit
-        # copy out now: the next replay (of any bucket) may reuse the shared pool
-        n_tok = rows // mu
-        tokens = ws.tokens[:n_tok].clone()
-        means = ws.means[: len(idx)].clone()
-        pooled = ws.pooled[: len(idx)].clone() if ws.pooled is not None else None
-        return list(torch.split(tokens, [self._tokens(grid[i]) for i in idx])), means, pooled
+        tokens, deep = self._split(ws.out, rows, [self._tokens(grid[i]) for i in idx])
+        means = ws.out.means[: len(idx)].clone()
+        pooled = ws.out.pooled[: len(idx)].clone() if ws.out.pooled is not None else None
+        return tokens, means, pooled, deep
 
     def _tokens(self, thw) -> int:
-        return thw[0] * thw[1] * thw[2] // self.cfg.merge_unit
+        return thw[0] * thw[1] * thw[2] // self.tower.merge_unit
 
-    def _run_eager(self, pack: Pack, pixel_values, grid_thw, starts):
+    def _run_eager(self, pack: Pack, pixel_values, grid, starts):
+        # what no bucket fits: the same body over exactly these images (one frame slot per frame)
         idx = list(pack.indices)
-        sub_grid = grid_thw[idx]
-        g = sub_grid.tolist()
+        sub = [grid[i] for i in idx]
         src = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in idx]).to(self.device)
-        if self.fixed is not None:
-            tokens, pooled = self.tower(src, self.tower.eager_segments(len(idx), self.device))
-            self.stats.eager_runs += 1
-            means = tokens.view(len(idx), self.fixed, -1).float().mean(1)
-            return list(torch.split(tokens, self.fixed)), means, pooled
-        meta = compute_meta(
-            frames_of(sub_grid).to(self.device),
-            src.shape[0],
-            self.cfg,
-            max(h * w for _, h, w in g),
-            count_windows(g, self.cfg),
-        )
-        tokens = self.tower(src, meta)
-        parts = list(torch.split(tokens, [self._tokens(thw) for thw in g]))
+        frames = frames_of(torch.tensor(sub)).to(self.device)
+        out = self.tower.forward_packed(src, frames, self.tower.batch_bounds(sub))
         self.stats.eager_runs += 1
-        return parts, torch.stack([p.float().mean(0) for p in parts]), None
+        tokens, deep = self._split(out, src.shape[0], [self._tokens(thw) for thw in sub])
+        means = [p.float().mean(0) for p in tokens]  # per image (an image may span several frames)
+        return tokens, means, out.pooled, deep
