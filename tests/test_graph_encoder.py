@@ -125,3 +125,20 @@ def test_bad_pooling_and_batch(pair):
     bad = encoder.PatchBatch(torch.randn(12, enc.config.patch_dim), torch.tensor([[1, 3, 4]]))
     with pytest.raises(encoder.InvalidArgumentError, match="multiples of 2"):
         graph.encode(bad)
+
+
+def test_encode_llm_matches_eager_and_pooling_none(pair):
+    """LLM-ready outputs: graph == eager, tokens == encode(pooling="none"), grid_thw as given."""
+    enc, graph = pair
+    grids = [[1, 8, 12], [1, 2, 2], [1, 34, 32], [1, 6, 4]]  # one eager (above the largest bucket)
+    batch = random_batch(grids, enc.config.patch_dim, seed=7)
+    got, want = graph.encode_llm(batch), enc.encode_llm(batch)
+    tokens = enc.encode(batch, "none")
+    assert [g.grid_thw for g in got] == [tuple(r) for r in grids] == [w.grid_thw for w in want]
+    for g, w, t in zip(got, want, tokens, strict=True):
+        assert g.tokens.dtype == torch.float32 and g.tokens.shape == t.shape
+        assert rel_err(g.tokens, w.tokens) <= 1e-5 and rel_err(w.tokens, t) == 0
+        assert len(g.deepstack) == len(w.deepstack) == len(getattr(enc.config, "deepstack_visual_indexes", ()))
+        for gd, wd in zip(g.deepstack, w.deepstack, strict=True):
+            assert rel_err(gd, wd) <= 1e-5
+    assert graph.encode_llm([]) == [] and enc.encode_llm([]) == []
