@@ -3,6 +3,8 @@
 #   tests    pytest -m gpu (attention, engine, preprocessing, kernels, CLIP/SigLIP)
 #   attn     benchmarks/attention.py --check
 #   bench    benchmarks/engine.py (every backend, HF beside); quick: triton only, no HF
+#   qwen3    GPU tests of the Qwen3-VL tower, then benchmarks/engine.py --model qwen3-vl-8b (every backend, HF
+#            beside), then the Qwen2.5-VL-7B triton row with HF beside (the no-regression check)
 #   profile  benchmarks/profile_engine.py
 #   clip     benchmarks/clip.py
 #   batch    benchmarks/batch.py --as-checkpoint (20,000 224x224 JPEGs)
@@ -31,6 +33,9 @@ for s in $steps; do
     tests) timeout 300 python3 -m pytest -q -m gpu tests/test_attention.py tests/test_gpu_engine.py tests/test_preprocess.py tests/test_kernels.py tests/test_clip_siglip_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
     attn) timeout 120 python3 benchmarks/attention.py --check > "$OUT/attention.md" 2>&1 ;;
     bench) timeout 400 python3 benchmarks/engine.py --json "$OUT/engine.json" > "$OUT/engine.md" 2>&1 ;;
+    qwen3) timeout 300 python3 -m pytest -q -m gpu tests/test_qwen3_gpu.py -p no:cacheprovider 2>&1 | tail -30 > "$OUT/qwen3_tests.txt"
+           timeout 300 python3 benchmarks/engine.py --model qwen3-vl-8b --json "$OUT/engine_qwen3.json" > "$OUT/engine_qwen3.md" 2>&1
+           timeout 200 python3 benchmarks/engine.py --backends triton --json "$OUT/engine_q25.json" > "$OUT/engine_q25.md" 2>&1 ;;
     quick) timeout 120 python3 benchmarks/engine.py --backends triton --no-hf > "$OUT/engine_quick.md" 2>&1 ;;
     profile) timeout 120 python3 benchmarks/profile_engine.py > "$OUT/profile.txt" 2>&1 ;;
     clip) timeout 150 python3 benchmarks/clip.py > "$OUT/clip.md" 2>&1 ;;

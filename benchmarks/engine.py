@@ -1,5 +1,6 @@
 """Engine benchmark (one GPU run): HF transformers eager vs our eager vs our graph replay, per
-attention backend, on the Qwen2.5-VL-7B vision config in bf16 with random weights.
+attention backend, on a Qwen vision config in bf16 with random weights (default Qwen2.5-VL-7B;
+`--model qwen3-vl-8b` for Qwen3-VL, whose HF tower gets the same weights).
 
 Prints a markdown table with latency, images/s, patches/s and MFU against a bf16 matmul peak
 measured in the same process. Run: `python benchmarks/engine.py [--backends triton,torch_varlen]`.
@@ -31,9 +32,12 @@ WORKLOADS = {  # name -> (images, side in pixels)
 
 
 def linear_flops_per_patch(cfg) -> float:
+    """GEMM FLOPs per input patch: qkv, proj and the MLP in every block, the merger(s), the patch embedding."""
     d, f, mu = cfg.width, cfg.mlp_dim, cfg.merge_unit
-    blocks = cfg.depth * 2 * (d * 3 * d + d * d + 3 * d * f)
-    merger = 2 * (d * mu * d * mu + d * mu * cfg.out_dim) / mu
+    mlp_mats = 3 if cfg.family == "qwen2_5_vl" else 2  # SwiGLU: gate, up, down
+    blocks = cfg.depth * 2 * (d * 3 * d + d * d + mlp_mats * d * f)
+    mergers = 1 + len(getattr(cfg, "deepstack_visual_indexes", ()))  # Qwen3-VL: one per DeepStack layer too
+    merger = mergers * 2 * (d * mu * d * mu + d * mu * cfg.out_dim) / mu
     return blocks + merger + 2 * cfg.patch_dim * d
 
 
@@ -68,21 +72,33 @@ def make_batch(enc, images: int, side: int) -> encoder.PatchBatch:
 
 
 def hf_tower(enc):
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
+    """The transformers vision tower of the same family and config, holding our weights (bf16, sdpa)."""
     cfg = enc.config
-    hf_cfg = Qwen2_5_VLVisionConfig(
-        depth=cfg.depth, hidden_size=cfg.width, intermediate_size=cfg.mlp_dim, num_heads=cfg.num_heads,
-        out_hidden_size=cfg.out_dim, fullatt_block_indexes=list(cfg.fullatt_block_indexes),
-        window_size=cfg.window_size,
-    )  # fmt: skip
+    if cfg.family == "qwen3_vl":
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Model
+
+        hf_cfg = Qwen3VLVisionConfig(
+            depth=cfg.depth, hidden_size=cfg.width, intermediate_size=cfg.mlp_dim, num_heads=cfg.num_heads,
+            out_hidden_size=cfg.out_dim, num_position_embeddings=cfg.num_position_embeddings,
+            deepstack_visual_indexes=list(cfg.deepstack_visual_indexes), patch_size=cfg.patch_size,
+        )  # fmt: skip
+    else:
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as Model
+
+        hf_cfg = Qwen2_5_VLVisionConfig(
+            depth=cfg.depth, hidden_size=cfg.width, intermediate_size=cfg.mlp_dim, num_heads=cfg.num_heads,
+            out_hidden_size=cfg.out_dim, fullatt_block_indexes=list(cfg.fullatt_block_indexes),
+            window_size=cfg.window_size,
+        )  # fmt: skip
     hf_cfg._attn_implementation = "sdpa"
     with torch.device("cuda"):
-        model = Qwen2_5_VisionTransformerPretrainedModel(hf_cfg).to(torch.bfloat16).eval()
+        model = Model(hf_cfg).to(torch.bfloat16).eval()
     state = {k: v for k, v in enc.model.state_dict().items()}
     state["patch_embed.proj.weight"] = state["patch_embed.proj.weight"].view(model.patch_embed.proj.weight.shape)
-    model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("inv_freq" in k for k in missing), (missing, unexpected)
     return model
 
 
