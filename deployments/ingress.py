@@ -5,11 +5,12 @@ in flight), Content-Type (415) and body size (413), JSON and schema (400 / 422),
 thread pool: base64 / data URL (400), encoded size, format and pixels from the header (413 / 415), the
 request's patch total (413) before anything is decoded, decode and resize to uint8 at the smart_resize
 size (`load_image` + `resize_image`), and the compact uint8 arrays go to an encoder replica with
-`encode_pixels(pixels, pooling=..., num_patches=n)`, retried (bounded, with backoff) when the replica
-died or is unavailable, under the request's time limit (504). Optionally (`ingress_batch_size` > 1)
-calls that queue while `ingress_max_concurrent_batches` merged encoder requests are in flight are merged
-into the next one (no timer: an idle call goes out at once), so many one-image clients cost the encoder
-replica few Serve requests.
+`encode_pixels(pixels, pooling=..., num_patches=n)` (pooled vectors) or `encode_llm_pixels(pixels, dtype=...,
+num_patches=n)` (per-token LLM-ready outputs: HTTP `pooling: "none"`, the handle's `embed_llm`), retried
+(bounded, with backoff) when the replica died or is unavailable, under the request's time limit (504).
+Optionally (`ingress_batch_size` > 1) calls that queue while `ingress_max_concurrent_batches` merged encoder
+requests are in flight are merged into the next one (no timer: an idle call goes out at once), so many
+one-image clients cost the encoder replica few Serve requests.
 The request schema, decoding and error mapping are in `deployments.openai_api`; limits, admission and
 retries in `deployments.limits`; the API key and URL policy in `deployments.security`.
 """
@@ -53,6 +54,7 @@ from .limits import (
     read_body,
     rss_bytes,
 )
+from .llm_outputs import check_dtype, handle_item
 from .metrics import IngressMetrics, RecentTimings
 from .openai_api import (
     EmbeddingRequest,
@@ -102,6 +104,7 @@ class Call:
     arrays: list[np.ndarray]
     counts: list[int]
     pooling: str
+    llm: str | None = None  # LLM-ready outputs in this wire dtype (`encode_llm_pixels`) instead of pooled vectors
 
     @property
     def patches(self) -> int:
@@ -192,6 +195,21 @@ def _source_pixels(o: Opened) -> int:
 
 # Encoder requests with more pixel bytes than this go by reference (object store), not inline over gRPC.
 _INLINE_BYTES = 2 * 2**20
+
+# Answers costing more than this (float32 elements written as JSON text; base64 costs ~1/40 of that per
+# element) are built in the thread pool: 65,536 JSON floats take ~1.7 ms, 64 x 3,584 float32 tokens in
+# base64 ~0.1 ms, less than the hand-off to a thread and back.
+_ANSWER_INLINE = 65536
+
+
+def _answer_cost(outputs: list, encoding_format: str) -> float:
+    elements = 0
+    for o in outputs:
+        if isinstance(o, tuple):
+            elements += o[0].size * (1 + len(o[1]))
+        else:
+            elements += o.size
+    return elements if encoding_format != "base64" else elements / 40
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
@@ -341,22 +359,26 @@ class VisionIngress:
             await asyncio.gather(*(loop.run_in_executor(self._pool, finished, i, o) for i, o in enumerate(headers)))
         )
 
-    async def _encode(self, arrays: list[np.ndarray], pooling: str) -> tuple[list[np.ndarray], int]:
+    async def _encode(self, arrays: list[np.ndarray], pooling: str, llm: str | None = None) -> tuple[list, int]:
+        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`; and the patches."""
         info = await self.info()
         p = info["preprocess_config"].patch_size
         counts = [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays]
         if self._merge is not None and len(arrays) < self.args.ingress_batch_size:
             self._counts["merged_calls"] += 1
-            return await self._merge(Call(arrays, counts, pooling)), sum(counts)
-        return await self._send(arrays, counts, pooling), sum(counts)
+            return await self._merge(Call(arrays, counts, pooling, llm)), sum(counts)
+        return await self._send(arrays, counts, pooling, llm), sum(counts)
 
-    async def _send(self, arrays: list[np.ndarray], counts: list[int], pooling: str) -> list[np.ndarray]:
+    async def _send(self, arrays: list[np.ndarray], counts: list[int], pooling: str, llm: str | None = None) -> list:
         info = await self.info()
         parts = chunk(counts, info["max_batch_patches"], info["max_batch_images"])
 
         def call(s: int, e: int):
             handle = self._encoder_by_ref if sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES else self._encoder
-            return lambda: remote_call(handle.encode_pixels, arrays[s:e], pooling=pooling, num_patches=sum(counts[s:e]))
+            n = sum(counts[s:e])
+            if llm is not None:
+                return lambda: remote_call(handle.encode_llm_pixels, arrays[s:e], dtype=llm, num_patches=n)
+            return lambda: remote_call(handle.encode_pixels, arrays[s:e], pooling=pooling, num_patches=n)
 
         self._counts["encoder_requests"] += len(parts)
         if len(parts) == 1:
@@ -366,16 +388,16 @@ class VisionIngress:
 
     async def _run_merged(self, calls: list[Call]) -> list[list[np.ndarray]]:
         self._counts["merged_batches"] += 1
-        out: list[list[np.ndarray] | None] = [None] * len(calls)
-        groups: dict[str, list[int]] = {}
+        out: list[list | None] = [None] * len(calls)
+        groups: dict[tuple[str, str | None], list[int]] = {}
         for i, c in enumerate(calls):
-            groups.setdefault(c.pooling, []).append(i)
+            groups.setdefault((c.pooling, c.llm), []).append(i)
 
-        async def run(pooling: str, members: list[int]) -> None:
+        async def run(mode: tuple[str, str | None], members: list[int]) -> None:
             arrays = [x for i in members for x in calls[i].arrays]
             counts = [n for i in members for n in calls[i].counts]
             self.metrics.merged.observe(len(arrays))
-            vectors = await self._send(arrays, counts, pooling)
+            vectors = await self._send(arrays, counts, *mode)
             pos = 0
             for i in members:
                 out[i] = vectors[pos : pos + len(calls[i].arrays)]
@@ -413,6 +435,20 @@ class VisionIngress:
         inputs (the message names the position, e.g. "images[3]: ..."), `ray.serve.exceptions.BackPressureError`
         when the service is over capacity and `TimeoutError` past `request_timeout_s`. The per-image limits
         (encoded bytes, pixels, formats) apply; the per-request ones (images, patches) are HTTP's."""
+        if pooling is not None:
+            check_pooling(pooling)
+        return await self._handle_call(images, pooling, None)
+
+    async def embed_llm(self, images, dtype: str = "float32") -> list[dict]:
+        """What a VLM's LLM needs in place of its vision tower, per image (inputs, limits and errors as `embed`):
+        `{"tokens": [n, out_dim], "deepstack": [[n, out_dim] per DeepStack layer, model order; [] for towers
+        without], "grid_thw": [t, h, w]}` (the patch grid, as the Hugging Face processor's `image_grid_thw`).
+        The arrays are float32, or with `dtype="float16"` np.float16, with `dtype="bfloat16"` np.uint16 holding
+        bfloat16 bit patterns (`torch.from_numpy(x).view(torch.bfloat16)`); both halve what crosses processes."""
+        check_dtype(dtype)
+        return [handle_item(w) for w in await self._handle_call(images, "none", dtype)]
+
+    async def _handle_call(self, images, pooling: str | None, llm: str | None) -> list:
         started = time.perf_counter()
         if not isinstance(images, list | tuple):
             images = [images]
@@ -421,8 +457,6 @@ class VisionIngress:
             raise self._overloaded()
         outcome, n_images, patches = "client_error", len(images), 0
         try:
-            if pooling is not None:
-                check_pooling(pooling)
             if not images:
                 outcome = "ok"
                 return []
@@ -432,7 +466,7 @@ class VisionIngress:
                 decode_at = time.perf_counter()
                 arrays = await self._prepare(list(images), info["preprocess_config"], "images")
                 encode_at = time.perf_counter()
-                vectors, patches = await self._encode(arrays, pooling)
+                vectors, patches = await self._encode(arrays, pooling, llm)
             outcome = "ok"
             done = time.perf_counter()
             self._timings["handle"].add(total=done - started, decode=encode_at - decode_at, encode=done - encode_at)
@@ -523,12 +557,15 @@ class VisionIngress:
         decode_at = time.perf_counter()
         arrays = await self._prepare(inputs, info["preprocess_config"], "input", a.max_request_patches)
         encode_at = time.perf_counter()
-        vectors, patches = await self._encode(arrays, pooling)
+        # pooling none: the LLM-ready outputs (tokens, DeepStack, patch grid), cast on the replica to the
+        # base64 element type (a bfloat16 answer crosses from the replica at half the bytes)
+        dtype = body.embedding_dtype
+        llm = dtype if pooling == "none" else None
+        vectors, patches = await self._encode(arrays, pooling, llm)
         answer_at = time.perf_counter()
         del arrays
-        size = sum(v.size for v in vectors)
-        args = (vectors, body.encoding_format, self._model_name, patches)
-        if size > 65536:  # keep big JSON encodes off the event loop
+        args = (vectors, body.encoding_format, self._model_name, patches, dtype)
+        if _answer_cost(vectors, body.encoding_format) > _ANSWER_INLINE:  # keep big encodes off the event loop
             content = await asyncio.get_running_loop().run_in_executor(self._pool, embeddings_body, *args)
         else:
             content = embeddings_body(*args)

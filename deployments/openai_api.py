@@ -33,6 +33,8 @@ from encoder.errors import (
 )
 from encoder.preprocess import PreprocessConfig
 
+from .llm_outputs import EMBEDDING_DTYPES, to_wire
+
 logger = logging.getLogger("ray.serve")
 
 
@@ -234,6 +236,11 @@ class EmbeddingRequest(BaseModel):
         "model's ('model' for CLIP / SigLIP, 'mean' for Qwen).",
     )
     dimensions: int | None = Field(None, description="Accepted only if equal to the model's output width.")
+    embedding_dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32",
+        description="Extension, with encoding_format 'base64' only: the element type of the little-endian bytes, "
+        "'float32', 'float16' or 'bfloat16' (the top 16 bits of float32, rounded to nearest even).",
+    )
     user: str | None = None
 
 
@@ -248,24 +255,37 @@ def schema_error(errors: list[dict]) -> RequestError:
     return RequestError(message, 422, "invalid_schema", loc[0] if loc else None)
 
 
+def embedding_dtype_error(message: str) -> RequestError:
+    return RequestError(message, 400, "invalid_embedding_dtype", "embedding_dtype")
+
+
 def parse_embedding_request(body: bytes) -> EmbeddingRequest:
-    """The request body -> EmbeddingRequest; RequestError 400 (not JSON) or 422 (schema)."""
+    """The request body -> EmbeddingRequest; RequestError 400 (not JSON; a bad `embedding_dtype`) or 422 (schema)."""
     try:
-        return EmbeddingRequest.model_validate_json(body)
+        parsed = EmbeddingRequest.model_validate_json(body)
     except ValidationError as e:
         errors = e.errors(include_url=False, include_context=False, include_input=False)
         if any(x.get("type") == "json_invalid" for x in errors):
             detail = errors[0].get("msg", "").removeprefix("Invalid JSON: ")
             raise RequestError(f"the request body is not valid JSON: {detail}", 400, "invalid_json", None) from None
+        if all(tuple(x.get("loc", ())) == ("embedding_dtype",) for x in errors):
+            raise embedding_dtype_error(
+                f"embedding_dtype must be one of {', '.join(EMBEDDING_DTYPES)} (a string)"
+            ) from None
         raise schema_error(errors) from None
+    if parsed.embedding_dtype != "float32" and parsed.encoding_format != "base64":
+        raise embedding_dtype_error(
+            f"embedding_dtype={parsed.embedding_dtype!r} needs encoding_format='base64' (JSON floats are float32)"
+        )
+    return parsed
 
 
 def embedding_item(index: int, vec: np.ndarray, encoding_format: str) -> dict:
-    """One `data[]` entry. pooling=none: `embedding` is [tokens][out_dim] (float) or the row-major
-    flattened matrix (base64), and `shape` gives [tokens, out_dim]."""
+    """One `data[]` entry of a float32 vector or token matrix. pooling=none: `embedding` is [tokens][out_dim]
+    (float) or the row-major flattened matrix (base64), and `shape` gives [tokens, out_dim]."""
     item: dict[str, Any] = {"object": "embedding", "index": index}
     if encoding_format == "base64":
-        item["embedding"] = pybase64.b64encode(np.ascontiguousarray(vec, dtype="<f4").tobytes()).decode("ascii")
+        item["embedding"] = _b64(vec, "float32").decode("ascii")
     else:
         item["embedding"] = np.ascontiguousarray(vec, dtype=np.float32)  # orjson writes it natively
     if vec.ndim == 2:
@@ -273,16 +293,56 @@ def embedding_item(index: int, vec: np.ndarray, encoding_format: str) -> dict:
     return item
 
 
-def embeddings_body(vectors: list[np.ndarray], encoding_format: str, model: str, patches: int) -> bytes:
-    body = {
-        "object": "list",
-        "data": [embedding_item(i, v, encoding_format) for i, v in enumerate(vectors)],
-        "model": model,
-        "usage": {"prompt_tokens": patches, "total_tokens": patches},
-    }
-    # orjson formats float32 arrays in C, shortest round-trip text: 3,584 floats take ~0.1 ms where
-    # json.dumps(vec.tolist()) takes ~1.6 ms (and writes twice the digits of float64 reprs).
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+def _b64(x: np.ndarray, dtype: str) -> bytes:
+    """Base64 of `x`'s little-endian bytes in the wire `dtype` (no copy when `x` already is one)."""
+    x = to_wire(x, dtype)
+    return pybase64.b64encode(x if x.dtype.byteorder != ">" else x.astype(x.dtype.newbyteorder("<")))
+
+
+def _meta(index: int, out) -> tuple[dict, np.ndarray, list[np.ndarray]]:
+    """(the item's small fields, its embedding, its DeepStack arrays) for a vector, a token matrix or an
+    LLM output tuple (`deployments.llm_outputs.WireLLM`: tokens, DeepStack layers, patch grid)."""
+    item: dict[str, Any] = {"object": "embedding", "index": index}
+    if isinstance(out, tuple):
+        vec, deepstack, grid = out
+        item["shape"], item["grid_thw"] = list(vec.shape), list(grid)
+        return item, vec, deepstack
+    if out.ndim == 2:
+        item["shape"] = list(out.shape)
+    return item, out, []
+
+
+def embeddings_body(outputs: list, encoding_format: str, model: str, patches: int, dtype: str = "float32") -> bytes:
+    """The response body. `outputs`: per image a vector, a token matrix, or a `WireLLM` tuple (pooling=none:
+    the item also carries `grid_thw` and, for DeepStack models, `deepstack`: one embedding per layer in the
+    same encoding). `dtype`: the base64 element type (`EmbeddingRequest.embedding_dtype`)."""
+    usage = {"prompt_tokens": patches, "total_tokens": patches}
+    if encoding_format != "base64":
+        data = []
+        for i, out in enumerate(outputs):
+            item, vec, deepstack = _meta(i, out)
+            item["embedding"] = np.ascontiguousarray(vec, dtype=np.float32)  # orjson writes it natively
+            if deepstack:
+                item["deepstack"] = [np.ascontiguousarray(d, dtype=np.float32) for d in deepstack]
+            data.append(item)
+        body = {"object": "list", "data": data, "model": model, "usage": usage}
+        # orjson formats float32 arrays in C, shortest round-trip text: 3,584 floats take ~0.1 ms where
+        # json.dumps(vec.tolist()) takes ~1.6 ms (and writes twice the digits of float64 reprs).
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    # base64: the JSON is assembled around the base64 bytes (never JSON-escaped: A-Z a-z 0-9 + / =), so a
+    # per-token answer is one base64 pass and one copy into the body, with no str in between.
+    pieces = [b'{"object":"list","data":[']
+    for i, out in enumerate(outputs):
+        item, vec, deepstack = _meta(i, out)
+        pieces += [b"," if i else b"", orjson.dumps(item)[:-1], b',"embedding":"', _b64(vec, dtype), b'"']
+        if deepstack:
+            pieces.append(b',"deepstack":["')
+            for k, d in enumerate(deepstack):
+                pieces += [b'","' if k else b"", _b64(d, dtype)]
+            pieces.append(b'"]')
+        pieces.append(b"}")
+    pieces += [b'],"model":', orjson.dumps(model), b',"usage":', orjson.dumps(usage), b"}"]
+    return b"".join(pieces)
 
 
 api = FastAPI(title="Vision encoding service", version="0.1.0")

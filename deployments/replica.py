@@ -2,7 +2,8 @@
 encodes batches of resized uint8 images.
 
 Request path inside a replica (DESIGN.md, "The request path"):
-  `encode_pixels(pixels, pooling=..., num_patches=n)` validates shapes on the event loop, queues the
+  `encode_pixels(pixels, pooling=..., num_patches=n)` (or `encode_llm_pixels(pixels, dtype=..., num_patches=n)`
+  for the LLM-ready outputs: tokens, DeepStack features, patch grid) validates shapes on the event loop, queues the
   request, and a batcher merges queued requests (from any number of callers) into one batch of at
   most `max_batch_patches` patches / `max_batch_size` images. The batch runs in ONE worker thread:
   upload the uint8 pixels, normalise and patchify on the device, one `GraphEncoder.encode` (which packs
@@ -36,6 +37,7 @@ from workspace import GraphEncoder
 
 from .batching import ContinuousBatcher
 from .config import AppArgs, batch_limits, bucket_table, resolve_device, resolve_num_gpus
+from .llm_outputs import WireLLM, check_dtype, wire_outputs
 from .metrics import RecentTimings, ReplicaMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -54,6 +56,7 @@ class Work:
     arrays: list[np.ndarray]  # uint8 [H, W, 3], sides multiples of patch_size * merge_size
     counts: list[int]  # patches per image
     pooling: str
+    llm: str | None = None  # LLM-ready outputs in this wire dtype (`deployments.llm_outputs`) instead of pooling
     queued_at: float = field(default_factory=time.perf_counter)
 
     @property
@@ -137,6 +140,10 @@ class EncoderReplica:
         ramp = (np.arange(side * side * 3, dtype=np.int64) * 37 % 251).astype(np.uint8)
         self._probe_pixels = [ramp.reshape(side, side, 3)]
         self._probe_ref = self._probe()
+        # DeepStack layers of the LLM-ready outputs (0 for towers without), from one tiny encode
+        self.deepstack_layers = len(
+            self.engine.encode_llm(stack_patchify(self._probe_pixels, self.pp, self.device))[0].deepstack
+        )
         self._fault: str | None = None  # inject_fault("unhealthy")
         self._hold = None  # inject_fault("hold"): (switch actor, timeout)
         stats = self.engine.stats()
@@ -178,7 +185,7 @@ class EncoderReplica:
         key = self.engine.table.bucket_for(patches, images)
         return str(key.budget) if key is not None else "over"
 
-    # -- the request method ------------------------------------------------------------------------------
+    # -- the request methods -----------------------------------------------------------------------------
     async def encode_pixels(self, pixels, *, pooling: str = "mean", num_patches: int | None = None) -> list[np.ndarray]:
         """Encode resized uint8 images ([H, W, 3], sides multiples of patch*merge: `resize_image` output).
 
@@ -188,19 +195,32 @@ class EncoderReplica:
         """
         entered = time.perf_counter()
         check_pooling(pooling)
-        arrays, counts = check_pixels(pixels, self.pp)
-        work = Work(arrays, counts, pooling)
+        return await self._encode(Work(*check_pixels(pixels, self.pp), pooling), num_patches, entered)
+
+    async def encode_llm_pixels(
+        self, pixels, *, dtype: str = "float32", num_patches: int | None = None
+    ) -> list[WireLLM]:
+        """The LLM-ready outputs of resized uint8 images (as `encode_pixels`, same batches and device thread):
+        per image `(tokens [n, out_dim], [DeepStack layer [n, out_dim], ...], (t, h, w))`, the arrays in the
+        wire `dtype` (`deployments.llm_outputs`: float32, float16, or bfloat16 bit patterns as uint16),
+        converted in the results thread. `[]` DeepStack layers for towers without them."""
+        entered = time.perf_counter()
+        check_dtype(dtype)
+        return await self._encode(Work(*check_pixels(pixels, self.pp), "none", dtype), num_patches, entered)
+
+    async def _encode(self, work: Work, num_patches: int | None, entered: float) -> list:
         total = work.patches
         if num_patches is not None and int(num_patches) != total:
             raise InvalidArgumentError(f"num_patches={num_patches} but the pixels have {total} patches")
-        if not arrays:
+        if not work.arrays:
             return []
-        label = self._bucket_label(total, len(counts))
+        images = len(work.counts)
+        label = self._bucket_label(total, images)
         self._queued[label] += 1
         self._queued_patches += total
         self.metrics.queue_depth.set(sum(self._queued.values()))
         try:
-            if not self._fits(total, len(counts)):  # bigger than one batch: alone (the engine splits it)
+            if not self._fits(total, images):  # bigger than one batch: alone (the engine splits it)
                 return (await self._run_batch([work]))[0]
             out = await self._submit(work)
             self._timings.add(request=time.perf_counter() - entered)
@@ -245,25 +265,31 @@ class EncoderReplica:
     @torch.inference_mode()
     def _launch(self, works: list[Work]):
         """Device thread: upload, patchify and queue the replays of one batch (one engine call per pooling mode
-        in it, usually one). Returns (a callable that waits for the outputs and splits them per request, the
-        seconds spent here)."""
+        or LLM wire dtype in it, usually one). Returns (a callable that waits for the outputs and splits them
+        per request, the seconds spent here)."""
         self._wait_if_held()
         started = time.perf_counter()
-        by_pooling: dict[str, list[int]] = {}
+        modes: dict[tuple[str, str | None], list[int]] = {}
         for i, w in enumerate(works):
-            by_pooling.setdefault(w.pooling, []).append(i)
+            modes.setdefault((w.pooling, w.llm), []).append(i)
         pending = []
-        for pooling, members in by_pooling.items():
+        for (pooling, llm), members in modes.items():
             arrays = [a for i in members for a in works[i].arrays]
-            pending.append((members, self.engine.encode_async(stack_patchify(arrays, self.pp, self.device), pooling)))
+            batch = stack_patchify(arrays, self.pp, self.device)
+            p = self.engine.encode_async(batch, pooling) if llm is None else self.engine.encode_llm_async(batch)
+            pending.append((members, llm, p))
 
-        def finish() -> list[list[np.ndarray]]:  # results thread
-            out: list[list[np.ndarray] | None] = [None] * len(works)
-            for members, p in pending:
-                vectors, pos = p.result(), 0
+        def finish() -> list[list]:  # results thread
+            out: list[list | None] = [None] * len(works)
+            for members, llm, p in pending:
+                outputs, pos = p.result(), 0
+                if llm is None:
+                    outputs = [v.numpy() for v in outputs]
+                else:  # one vectorised cast per array, here rather than on the ingress: half the bytes cross
+                    outputs = wire_outputs(outputs, llm)
                 for i in members:
                     n = len(works[i].arrays)
-                    out[i] = [v.numpy() for v in vectors[pos : pos + n]]
+                    out[i] = outputs[pos : pos + n]
                     pos += n
             return out
 
@@ -395,6 +421,7 @@ class EncoderReplica:
             "out_dim": vision.out_dim,
             "default_pooling": vector_pooling(vision.config),
             "output_dims": {p: vision.output_dim(p) for p in POOLINGS if self._supports(p)},
+            "deepstack_layers": self.deepstack_layers,
             "device": str(self.device),
             "dtype": str(vision.dtype).removeprefix("torch."),
             "preprocess": self.pp.model_dump(mode="json"),

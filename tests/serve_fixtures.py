@@ -64,6 +64,20 @@ def running_app(app, name: str, route_prefix: str = "/") -> Iterator[Service]:
         serve.shutdown()
 
 
+@contextmanager
+def running_apps(apps: list[tuple[object, str, str]]) -> Iterator[list[Service]]:
+    """Deploy several `(app, name, route_prefix)` side by side (one Serve start-up for all, each app's
+    `base_url` ending in its prefix); shut Serve down afterwards."""
+    base_url = start_serve()
+    try:
+        yield [
+            Service(serve.run(app, name=name, route_prefix=prefix), base_url + prefix.rstrip("/"), name)
+            for app, name, prefix in apps
+        ]
+    finally:
+        serve.shutdown()
+
+
 def app_fixture(args: dict, name: str):
     """A module-scoped `app` fixture: `deployments.build_app(args)` running as `name` (`running_app`).
     Use as `app = app_fixture(ARGS, "name")` in a test module that lists this plugin."""

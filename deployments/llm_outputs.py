@@ -1,0 +1,75 @@
+"""LLM-ready outputs between the encoder replica, the ingress and the client (DESIGN.md, "LLM-ready outputs").
+
+Per image the encoder replica's `encode_llm_pixels` returns a `WireLLM` tuple `(tokens, deepstack, grid_thw)`:
+`tokens` `[n, out_dim]` and each DeepStack layer's `[n, out_dim]` (`[]` for towers without) as numpy arrays
+in the requested wire dtype, and the patch grid `(t, h, w)`. The conversion runs in the replica's results
+thread, vectorised (one torch cast per array), so a bfloat16 answer crosses the process boundary at half
+the bytes of float32 and the ingress only base64-encodes the buffers.
+
+Wire dtypes (`EMBEDDING_DTYPES`):
+  * `float32`: the engine's float32 values, as they are.
+  * `float16`: IEEE half (`np.float16`), round-to-nearest-even.
+  * `bfloat16`: the top 16 bits of float32 with round-to-nearest-even (torch's cast), held as `np.uint16`
+    bit patterns (numpy has no bfloat16): `torch.from_numpy(x).view(torch.bfloat16)` reads them.
+    On the GPU the tower runs in bfloat16, so this is its own output, exactly.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from encoder.errors import InvalidArgumentError
+
+EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
+_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_VIEW = {"float16": np.float16, "bfloat16": np.uint16}
+_NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+
+# (tokens [n, out_dim], [deepstack layer [n, out_dim], ...], (t, h, w)), arrays in the wire dtype
+WireLLM = tuple[np.ndarray, list[np.ndarray], tuple[int, int, int]]
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in EMBEDDING_DTYPES:
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}; expected one of {', '.join(EMBEDDING_DTYPES)}")
+    return dtype
+
+
+def to_wire(x: torch.Tensor | np.ndarray, dtype: str) -> np.ndarray:
+    """A float32 CPU tensor or array -> a C-contiguous numpy array in the wire `dtype`; an array already in
+    it (and C-contiguous) is returned as it is."""
+    if isinstance(x, np.ndarray) and x.dtype == _NUMPY[dtype]:
+        return np.ascontiguousarray(x)
+    if dtype == "float32":
+        out = x.numpy() if isinstance(x, torch.Tensor) else x
+        return np.ascontiguousarray(out, dtype=np.float32)
+    if isinstance(x, np.ndarray):
+        with warnings.catch_warnings():  # arrays Ray deserialised are read-only; the cast only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    # torch's casts are vectorised and round to nearest even (bfloat16: the top 16 bits, rounded)
+    return x.to(_TORCH[dtype]).contiguous().view(torch.int16).numpy().view(_VIEW[dtype])
+
+
+def from_wire(x: np.ndarray) -> np.ndarray:
+    """A wire array back to float32 (tests and clients; bfloat16 bit patterns are uint16)."""
+    if x.dtype == np.uint16:
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float32)
+
+
+def wire_outputs(outputs, dtype: str) -> list[WireLLM]:
+    """`encoder.outputs.LLMOutput`s -> `WireLLM` tuples in `dtype`."""
+    return [
+        (to_wire(o.tokens, dtype), [to_wire(d, dtype) for d in o.deepstack], tuple(int(v) for v in o.grid_thw))
+        for o in outputs
+    ]
+
+
+def handle_item(wire: WireLLM) -> dict:
+    """The handle API's per-image dict: `{"tokens", "deepstack", "grid_thw"}`."""
+    tokens, deepstack, grid = wire
+    return {"tokens": tokens, "deepstack": list(deepstack), "grid_thw": list(grid)}
