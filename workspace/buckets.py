@@ -255,6 +255,12 @@ class BucketTable:
 
 
 def default_table(max_budget: int = 32768, min_budget: int = 256) -> BucketTable:
-    """The engine's default: powers of two from one 224x224 image (256 patches) to a batch that
-    fills the GPU; up to one image per 64 patches (112x112), at most 256 images per replay."""
-    return BucketTable.powers_of_two(min_budget, max_budget, max_images=lambda b: max(1, min(b // 64, 256)), granule=4)
+    """The engine's default: one 224x224 image (`min_budget`: 256 patches at patch 14, 196 at patch 16)
+    times the powers of two, up to `max_budget` patches (a batch that fills the GPU); up to one image per
+    64 patches (112x112), at most 256 images per replay. Budgets on a model's own 224^2 unit keep common
+    batches (n images of 224 * 2^k pixels a side) exactly at a bucket's budget, with no padding."""
+    low = _positive_int(min_budget, "min_budget")
+    budgets = [low]
+    while budgets[-1] * 2 <= max_budget:
+        budgets.append(budgets[-1] * 2)
+    return BucketTable.from_budgets(budgets, max_images=lambda b: max(1, min(b // 64, 256)), granule=4)

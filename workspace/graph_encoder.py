@@ -14,6 +14,7 @@ import torch
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
+from encoder.preprocess import num_patches
 from workspace.buckets import BucketKey, BucketTable, default_table
 from workspace.runner import GraphRunner
 
@@ -27,6 +28,22 @@ def max_image_patches(enc: VisionEncoder) -> int:
         return enc.model.patches_per_image
     pp = enc.preprocess_config
     return pp.max_pixels // (pp.patch_size**2)
+
+
+def unit_patches(pp) -> int:
+    """Patches of one 224x224 image after the model's resize rule (256 at patch 14, 196 at patch 16):
+    the smallest bucket of the default table."""
+    return num_patches(224, 224, pp)
+
+
+def variable_table(pp, buckets=None, max_tokens: int | None = None, granule: int = 4) -> BucketTable:
+    """The table of a variable-resolution tower: `default_table` on the model's 224^2 unit (at most
+    `max_tokens` patches per replay) when `buckets` is None, else the given table or spec."""
+    if buckets is None:
+        return default_table(max_budget=min(32768, max_tokens or 32768), min_budget=unit_patches(pp))
+    if isinstance(buckets, BucketTable):
+        return buckets
+    return BucketTable.parse(buckets, granule=granule)
 
 
 def image_count_table(counts, patches_per_image: int) -> BucketTable:
@@ -131,13 +148,9 @@ class GraphEncoder:
         if tower.patches_per_image is not None:
             cap = tower.backend.max_graph_tokens
             table = fixed_table(tower.patches_per_image, buckets, cap if buckets is None else None)
-        elif buckets is None:
-            cap = vision_encoder.model.backend.max_graph_tokens
-            table = default_table(max_budget=min(32768, cap or 32768))
-        elif isinstance(buckets, BucketTable):
-            table = buckets
         else:
-            table = BucketTable.parse(buckets, granule=tower.merge_unit)
+            cap = tower.backend.max_graph_tokens if buckets is None else None
+            table = variable_table(vision_encoder.preprocess_config, buckets, cap, granule=tower.merge_unit)
         self.table = table
         self.runner = GraphRunner(tower, table, max_image_patches=limit, debug=debug)
 
