@@ -34,7 +34,7 @@ for s in $steps; do
     attn) timeout 120 python3 benchmarks/attention.py --check > "$OUT/attention.md" 2>&1 ;;
     bench) timeout 400 python3 benchmarks/engine.py --json "$OUT/engine.json" > "$OUT/engine.md" 2>&1 ;;
     qwen3) timeout 300 python3 -m pytest -q -m gpu tests/test_qwen3_gpu.py -p no:cacheprovider 2>&1 | tail -30 > "$OUT/qwen3_tests.txt"
-           timeout 300 python3 benchmarks/engine.py --model qwen3-vl-8b --json "$OUT/engine_qwen3.json" > "$OUT/engine_qwen3.md" 2>&1
+           timeout 300 python3 benchmarks/engine.py --model qwen3-vl-8b --pad-compare --json "$OUT/engine_qwen3.json" > "$OUT/engine_qwen3.md" 2>&1
            timeout 200 python3 benchmarks/engine.py --backends triton --json "$OUT/engine_q25.json" > "$OUT/engine_q25.md" 2>&1 ;;
     quick) timeout 120 python3 benchmarks/engine.py --backends triton --no-hf > "$OUT/engine_quick.md" 2>&1 ;;
     profile) timeout 120 python3 benchmarks/profile_engine.py > "$OUT/profile.txt" 2>&1 ;;

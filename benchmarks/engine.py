@@ -110,6 +110,10 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", default=None, help="also write results here")
+    parser.add_argument(
+        "--pad-compare", action="store_true",
+        help="first time graph replay with the MLP width unpadded (pad_mlp=0), with the first backend",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/engine.py needs a CUDA GPU", file=sys.stderr)
@@ -137,6 +141,16 @@ def main() -> int:
             with torch.inference_mode():
                 record("HF transformers eager (sdpa)", wl, timed(lambda b=batch: hf(b.pixel_values, b.grid_thw), 5))
         del hf
+        torch.cuda.empty_cache()
+
+    if args.pad_compare:  # before any fuse(): padding is a one-way layout change of the shared model
+        base.model.set_backend(get_backend(names[0]))
+        graph = workspace.GraphEncoder(base, pad_mlp=0)
+        for wl in workloads:
+            batch = make_batch(base, *WORKLOADS[wl])
+            run = lambda b=batch, g=graph: g.runner.run(b.pixel_values, b.grid_thw)  # noqa: E731
+            record(f"ours graph ({names[0]}), MLP width {base.config.mlp_dim} unpadded", wl, timed(run, args.iters))
+        del graph
         torch.cuda.empty_cache()
 
     for name in names:

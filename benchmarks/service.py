@@ -84,6 +84,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine-batch", type=int, default=32)
     p.add_argument("--quick", action="store_true", help="short phases, few clients (a CPU smoke run)")
     p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument(
+        "--http-variants", default="",
+        help="extra HTTP phases after the pooled one, comma list of pooling-format[-dtype], e.g. "
+        "none-base64-bfloat16,none-base64-float32,none-float (per-token answers)",
+    )  # fmt: skip
     a = p.parse_args()
     if a.quick:
         a.duration, a.clients, a.engine_batch = 2.0, min(a.clients, 8), min(a.engine_batch, 8)
@@ -104,13 +109,21 @@ def images(side: int, n: int, pp, seed: int = 0) -> list[np.ndarray]:
     return [resize_image(load_image(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)), pp) for _ in range(n)]
 
 
-def png_body(img: np.ndarray) -> bytes:
+def png_body(img: np.ndarray, **fields) -> bytes:
+    """A POST /v1/embeddings body with one PNG data URL; `fields` add request fields (pooling, ...)."""
     from PIL import Image
 
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return json.dumps({"input": [url]}).encode()
+    return json.dumps({"input": [url], **fields}).encode()
+
+
+def http_variant(spec: str) -> dict:
+    """ "none-base64-bfloat16" -> request fields pooling / encoding_format / embedding_dtype."""
+    pooling, fmt, dtype = (spec.split("-") + ["", ""])[:3]
+    fields = {"pooling": pooling, "encoding_format": fmt or "float"}
+    return fields | ({"embedding_dtype": dtype} if dtype else {})
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -369,6 +382,9 @@ async def service_phases(a, gpus: int, base_url: str) -> list[dict]:
     rows.append(row("handle x32", await measured(a, "handle x32", "handle", handle, batches, a.clients, per_call=32)))
     bodies = [png_body(x) for x in imgs]
     rows.append(row("http", await measured(a, "http", "http", base_url, bodies, a.clients)))
+    for spec in filter(None, a.http_variants.split(",")):
+        variant = [png_body(x, **http_variant(spec)) for x in imgs]
+        rows.append(row(f"http {spec}", await measured(a, f"http {spec}", "http", base_url, variant, a.clients)))
     idle = await run_load("http", base_url, bodies, 1, min(a.duration, 5))
     rows.append(row("http idle (1 conn)", idle))
     idle = await run_load("handle", handle, [[x] for x in imgs], 1, min(a.duration, 5))
