@@ -122,6 +122,56 @@ class Qwen25VLVisionConfig(_QwenVisionBase):
         return self
 
 
+class Qwen3VLVisionConfig(_QwenVisionBase):
+    """Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 vision tower: LayerNorm blocks with a GELU MLP, full attention
+    everywhere, a learned position table bilinearly resampled to each image's grid, and DeepStack
+    mergers after `deepstack_visual_indexes` (none for Qwen3.5)."""
+
+    family: Literal["qwen3_vl"] = "qwen3_vl"
+    depth: int = Field(27, gt=0, description="Number of transformer blocks.")
+    patch_size: int = Field(16, gt=0, description="Spatial patch side in pixels.")
+    hidden_size: int = Field(1152, gt=0, description="Hidden width of the blocks.")
+    intermediate_size: int = Field(4304, gt=0, description="MLP hidden width.")
+    out_hidden_size: int = Field(3584, gt=0, description="Merger output width (the language model's width).")
+    hidden_act: Literal["gelu_pytorch_tanh", "gelu", "quick_gelu"] = Field(
+        "gelu_pytorch_tanh", description="Block MLP activation (the mergers always use exact GELU, as in HF)."
+    )
+    num_position_embeddings: int = Field(
+        2304, gt=0, description="Rows of the learned position table, a square grid (48 x 48 by default)."
+    )
+    deepstack_visual_indexes: tuple[int, ...] = Field(
+        (8, 16, 24), description="Blocks whose outputs feed a DeepStack merger, in output order (empty: none)."
+    )
+
+    @property
+    def width(self) -> int:
+        return self.hidden_size
+
+    @property
+    def out_dim(self) -> int:
+        return self.out_hidden_size
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def num_grid_per_side(self) -> int:
+        """Side of the learned position grid (HF: int(num_position_embeddings ** 0.5))."""
+        return int(self.num_position_embeddings**0.5)
+
+    @model_validator(mode="after")
+    def _check_tables(self):
+        if self.num_grid_per_side**2 != self.num_position_embeddings:
+            raise ValueError(f"num_position_embeddings {self.num_position_embeddings} is not a square grid")
+        bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
+        if bad:
+            raise ValueError(f"deepstack_visual_indexes {bad} outside 0..{self.depth - 1}")
+        if len(set(self.deepstack_visual_indexes)) != len(self.deepstack_visual_indexes):
+            raise ValueError(f"deepstack_visual_indexes {list(self.deepstack_visual_indexes)} repeat a block")
+        return self
+
+
 class _VitVisionBase(BaseModel):
     """A plain ViT over one fixed-resolution image: every image is (image_size / patch_size)^2 patches.
 
@@ -268,8 +318,8 @@ class SiglipVisionConfig(_VitVisionBase):
 
 
 VitVisionConfig = ClipVisionConfig | SiglipVisionConfig
-QwenVisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig
-VisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | ClipVisionConfig | SiglipVisionConfig
+QwenVisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | Qwen3VLVisionConfig
+VisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | Qwen3VLVisionConfig | ClipVisionConfig | SiglipVisionConfig
 
 PRESETS: dict[str, VisionConfig] = {
     # embedded default: random weights, runs in milliseconds on a CPU
@@ -282,6 +332,30 @@ PRESETS: dict[str, VisionConfig] = {
     "qwen2-vl-7b": Qwen2VLVisionConfig(hidden_size=3584),
     "qwen2.5-vl-3b": Qwen25VLVisionConfig(out_hidden_size=2048),
     "qwen2.5-vl-7b": Qwen25VLVisionConfig(),
+    # Qwen3-VL / Qwen3.5 (random weights). The tiny one keeps DeepStack on: mergers after blocks 0 and 2
+    "tiny-qwen3-vl": Qwen3VLVisionConfig(
+        depth=3, num_heads=4, hidden_size=64, intermediate_size=96, out_hidden_size=128,
+        num_position_embeddings=64, deepstack_visual_indexes=(0, 2),
+    ),
+    # published vision_config values (Qwen/<name>-Instruct config.json; sources in tests/test_qwen3_hf.py)
+    "qwen3-vl-2b": Qwen3VLVisionConfig(
+        depth=24, hidden_size=1024, intermediate_size=4096, out_hidden_size=2048, deepstack_visual_indexes=(5, 11, 17),
+    ),
+    "qwen3-vl-4b": Qwen3VLVisionConfig(
+        depth=24, hidden_size=1024, intermediate_size=4096, out_hidden_size=2560, deepstack_visual_indexes=(5, 11, 17),
+    ),
+    "qwen3-vl-8b": Qwen3VLVisionConfig(out_hidden_size=4096),
+    "qwen3-vl-32b": Qwen3VLVisionConfig(out_hidden_size=5120),
+    "qwen3-vl-30b-a3b": Qwen3VLVisionConfig(out_hidden_size=2048),
+    "qwen3-vl-235b-a22b": Qwen3VLVisionConfig(out_hidden_size=4096),
+    # Qwen3.5: the same tower without DeepStack
+    "qwen3.5-0.8b": Qwen3VLVisionConfig(
+        depth=12, num_heads=12, hidden_size=768, intermediate_size=3072, out_hidden_size=1024,
+        deepstack_visual_indexes=(),
+    ),
+    "qwen3.5-9b": Qwen3VLVisionConfig(out_hidden_size=4096, deepstack_visual_indexes=()),
+    "qwen3.5-27b": Qwen3VLVisionConfig(out_hidden_size=5120, deepstack_visual_indexes=()),
+    "qwen3.5-35b-a3b": Qwen3VLVisionConfig(out_hidden_size=2048, deepstack_visual_indexes=()),
     # fixed-resolution image-embedding towers (random weights); tiny ones for CPU tests and the CPU service
     "tiny-clip": ClipVisionConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=112,
@@ -303,6 +377,10 @@ PRESETS: dict[str, VisionConfig] = {
 
 
 _HF_ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
+# model types (full VLM and vision tower) of the Qwen3-VL tower; checkpoints written before
+# transformers named the vision configs carry the VLM's type in `vision_config` too
+_QWEN3_VL_TYPES = {"qwen3_vl", "qwen3_vl_vision", "qwen3_vl_moe", "qwen3_vl_moe_vision"}
+_QWEN3_5_TYPES = {"qwen3_5", "qwen3_5_vision", "qwen3_5_moe", "qwen3_5_moe_vision"}
 
 
 def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
@@ -316,6 +394,8 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
     own = str(model_type or vision.get("model_type") or "")
     if kinds & {"qwen2_5_vl", "qwen2_5_vl_vision"}:
         cls = Qwen25VLVisionConfig
+    elif kinds & (_QWEN3_VL_TYPES | _QWEN3_5_TYPES):
+        cls = Qwen3VLVisionConfig
     elif kinds & {"qwen2_vl", "qwen2_vl_vision"}:
         cls = Qwen2VLVisionConfig
     elif own in ("clip", "clip_vision_model"):
@@ -325,13 +405,18 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
     else:
         raise ConfigError(
             f"unknown model_type {sorted(k for k in kinds if k) or 'missing'}; supported: "
-            "qwen2_vl, qwen2_5_vl (full VLM or vision tower config.json), clip, siglip (full model, or "
+            "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe (full VLM or vision tower "
+            "config.json), clip, siglip (full model, or "
             "CLIPVisionModelWithProjection / SiglipVisionModel config.json)"
         )
     fields = {_HF_ALIASES.get(k, k): v for k, v in vision.items()}
     theta = (fields.get("rope_parameters") or {}).get("rope_theta")
     if theta is not None:
         fields["rope_theta"] = theta
+    if kinds & _QWEN3_5_TYPES:
+        # Qwen3.5 towers have no DeepStack mergers whatever the dict says (published configs carry
+        # `"deepstack_visual_indexes": []`; HF's Qwen3_5VisionModel never reads the field)
+        fields["deepstack_visual_indexes"] = ()
     known = {k: v for k, v in fields.items() if k in cls.model_fields and k != "family"}
     try:
         return cls(**known)

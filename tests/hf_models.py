@@ -1,4 +1,11 @@
-"""Tiny Hugging Face Qwen2-VL / Qwen2.5-VL checkpoints written with `save_pretrained`."""
+"""Tiny Hugging Face Qwen VLM checkpoints written with `save_pretrained`.
+
+Families: "qwen2_vl", "qwen2_5_vl", and the Qwen3 ones (`QWEN3_FAMILIES`): "qwen3_vl" (DeepStack
+after vision blocks 0 and 2), "qwen3_vl_moe", "qwen3_5" and "qwen3_5_moe" (no DeepStack;
+linear-attention LLM). `full_model(family, seed)` is the whole VLM (float32, eval, random weights,
+image token id `IMAGE_TOKEN` inside the tiny vocabulary), `vision_model(family, seed)` its tower
+alone, `write_checkpoint(directory, family, layout, seed)` saves one and returns its tower.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,63 @@ TEXT = dict(
 )  # fmt: skip
 
 
+QWEN3_FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# patch 16, an 8 x 8 learned position grid, 16-dim heads; DeepStack after blocks 0 and 2 (Qwen3-VL)
+VISION_3 = dict(
+    depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48, num_position_embeddings=64,
+)  # fmt: skip
+DEEPSTACK = [0, 2]
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 100, 101, 102, 103
+_TOKENS = dict(
+    image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+    vision_end_token_id=VISION_END,
+)  # fmt: skip
+# two decoder layers so both DeepStack features reach the LLM; M-RoPE sections sum to head_dim / 2
+TEXT_3 = dict(
+    hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                     "mrope_interleaved": True},
+)  # fmt: skip
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# Qwen3.5: one linear-attention (gated delta net) layer, one full-attention layer; rotary on a
+# quarter of the head (partial_rotary_factor 0.25): sections sum to 32 * 0.25 / 2
+TEXT_35 = dict(
+    TEXT_3, head_dim=32, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                     "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+)  # fmt: skip
+
+
+def _qwen3_classes(family: str):
+    """(config class, VLM class, vision config class, vision model class) of a Qwen3 family."""
+    import transformers as tf
+
+    names = {
+        "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLVisionConfig", "Qwen3VLVisionModel"),
+        "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeVisionConfig",
+                         "Qwen3VLMoeVisionModel"),
+        "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "Qwen3_5VisionConfig", "Qwen3_5VisionModel"),
+        "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeVisionConfig",
+                        "Qwen3_5MoeVisionModel"),
+    }[family]  # fmt: skip
+    return tuple(getattr(tf, n) for n in names)
+
+
+def qwen3_vision_config(family: str) -> dict:
+    return VISION_3 if family.startswith("qwen3_5") else dict(VISION_3, deepstack_visual_indexes=DEEPSTACK)
+
+
+def qwen3_text_config(family: str) -> dict:
+    text = TEXT_35 if family.startswith("qwen3_5") else TEXT_3
+    if family.endswith("_moe"):
+        text = dict(text, **_MOE)
+        if family == "qwen3_5_moe":
+            text["shared_expert_intermediate_size"] = 32
+    return text
+
+
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     # HF initialises norms to one and biases to zero; random values make a swapped weight visible
     gen = torch.Generator().manual_seed(seed)
@@ -29,7 +93,10 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 def vision_model(family: str, seed: int = 0):
     """The HF vision tower (float32, eval) for a family, randomly initialised."""
-    if family == "qwen2_5_vl":
+    if family in QWEN3_FAMILIES:
+        _, _, vision_cfg, vision_cls = _qwen3_classes(family)
+        model = vision_cls(vision_cfg(**qwen3_vision_config(family)))
+    elif family == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
@@ -44,7 +111,12 @@ def vision_model(family: str, seed: int = 0):
 
 
 def full_model(family: str, seed: int = 0):
-    if family == "qwen2_5_vl":
+    """The whole HF VLM (float32, eval) for a family, randomly initialised; its tower is `model.model.visual`."""
+    if family in QWEN3_FAMILIES:
+        config_cls, model_cls, _, _ = _qwen3_classes(family)
+        config = config_cls(vision_config=qwen3_vision_config(family), text_config=qwen3_text_config(family), **_TOKENS)
+        model = model_cls(config)
+    elif family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(vision_config=VISION_25, text_config=TEXT))
@@ -79,3 +151,10 @@ def write_checkpoint(directory: Path, family: str, layout: str, seed: int = 0, p
 def hf_tokens(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return tower(pixel_values, grid_thw=grid_thw).pooler_output
+
+
+def hf_features(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(merger tokens [n, out_dim], DeepStack features, each [n, out_dim]) of an HF Qwen3 tower."""
+    with torch.no_grad():
+        out = tower(pixel_values, grid_thw=grid_thw)
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
