@@ -10,7 +10,21 @@ The pipeline has two stages:
 2. **encode** (`EncoderActor`, an actor pool; one GPU per actor where GPUs exist): the actor builds
    a `workspace.GraphEncoder` in its constructor (CUDA graphs captured there), normalises and
    patchifies on its device, orders each batch so the runner's packs fill the largest bucket
-   (first-fit decreasing), runs it and adds the `embedding` column.
+   (first-fit decreasing), runs it and adds the `embedding` column (with `pooling="none"`, the
+   LLM-ready outputs of `GraphEncoder.encode_llm`: tokens, patch grid and DeepStack features).
+
+Output columns with `pooling="none"` (one row per image; every column null or 0 on error rows):
+  * `embedding`: `list<fixed_size_list<float32>[out_dim]>`, the merger's tokens in order (row-major over
+    the `grid_h` x `grid_w` token grid), what replaces the image's placeholder tokens in the LLM.
+  * `num_tokens`, `grid_t`, `grid_h`, `grid_w`: `int32`, the tokens and the token grid (`num_tokens =
+    grid_t * grid_h * grid_w`; `grid_t` is 1 for images; the merger joins `spatial_merge_size`² patches).
+  * `grid_thw`: `fixed_size_list<int32>[3]`, the patch grid `[t, h, w]` = the Hugging Face processor's
+    `image_grid_thw` row, which the LLM's M-RoPE positions are computed from (`h = grid_h *
+    spatial_merge_size`, same for `w`).
+  * `deepstack` (DeepStack models only, e.g. Qwen3-VL): `list<list<fixed_size_list<float32>[out_dim]>>`,
+    `deepstack[k][t]` = DeepStack layer k's feature of token t, layers in the model's order
+    (`deepstack_visual_indexes`); the LLM adds layer k's features at the image positions after decoder
+    layer k.
 
 Ray Data batches by rows, so rows per encoder batch are chosen from the typical patch count
 (about two largest buckets of patches per batch); inside a batch the actor re-orders images by the
@@ -41,8 +55,8 @@ from encoder.errors import InvalidArgumentError
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import PreprocessConfig, load_image, patchify
 from encoder.preprocess_vit import num_patches_for, resize_image_for
-from workspace.buckets import BucketKey, BucketTable, default_table
-from workspace.graph_encoder import GraphEncoder, fixed_table
+from workspace.buckets import BucketKey, BucketTable
+from workspace.graph_encoder import GraphEncoder, fixed_table, variable_table
 
 # Internal columns between the stages; never in the output.
 PIXELS = "_ve_pixels"  # large_binary: uint8 H*W*3, row-major RGB, at the model's size
@@ -55,9 +69,12 @@ INTERNAL = (PIXELS, HEIGHT, WIDTH, PATCHES)
 EMBEDDING = "embedding"
 ERROR = "error"
 NUM_TOKENS = "num_tokens"
+GRID_T = "grid_t"
 GRID_H = "grid_h"
 GRID_W = "grid_w"
-OUTPUT_COLUMNS = (EMBEDDING, ERROR, NUM_TOKENS, GRID_H, GRID_W)
+GRID_THW = "grid_thw"
+DEEPSTACK = "deepstack"
+OUTPUT_COLUMNS = (EMBEDDING, ERROR, NUM_TOKENS, GRID_T, GRID_H, GRID_W, GRID_THW, DEEPSTACK)
 
 # Without CUDA nothing is captured and every pack runs eagerly, padded to its bucket; the reference
 # attention's cost grows with the square of the bucket budget, so small buckets are much faster on a
@@ -80,6 +97,11 @@ def preprocess_config_for(model: str) -> PreprocessConfig:
     A `VitPreprocessConfig` for CLIP / SigLIP models (same attributes where the pipeline reads them)."""
     path = Path(model)
     return model_preprocess_config(config_for(model), path if path.is_dir() else None)
+
+
+def deepstack_layers(config: VisionConfig) -> int:
+    """DeepStack layers of a tower (0 for towers without: Qwen2/2.5-VL, Qwen3.5, CLIP, SigLIP)."""
+    return len(getattr(config, "deepstack_visual_indexes", None) or ())
 
 
 def resolve_pooling(pooling: str | None, model: str) -> str:
@@ -106,10 +128,7 @@ def bucket_table_for(model: str, buckets: Any = None) -> BucketTable:
     config = config_for(model)
     if is_fixed_resolution(config):
         return fixed_table(config.num_patches, buckets)
-    if buckets is None:
-        return default_table()
-    merge_unit = config.merge_unit
-    return BucketTable.parse(buckets, granule=merge_unit)
+    return variable_table(preprocess_config_for(model), buckets, granule=config.merge_unit)
 
 
 def _is_key_list(buckets: Any) -> bool:
@@ -284,6 +303,20 @@ def _fixed_size_list(values: np.ndarray, dim: int, null_mask: np.ndarray | None)
     return pa.FixedSizeListArray.from_arrays(flat, dim, mask=mask)
 
 
+def _vectors(arrays: list[np.ndarray], dim: int) -> pa.Array:
+    """`fixed_size_list<float32>[dim]` of the rows of [n_i, dim] arrays, in order (one concatenation)."""
+    values = np.concatenate(arrays) if arrays else np.zeros((0, dim), dtype=np.float32)
+    return _fixed_size_list(values, dim, None)
+
+
+def _lists(sizes: list[int], inner: pa.Array, valid: np.ndarray | None = None) -> pa.Array:
+    """A list array over `inner`, `sizes[i]` items in list i; null where not `valid`."""
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int32)
+    np.cumsum(sizes, out=offsets[1:])
+    mask = pa.array(~valid) if valid is not None and not valid.all() else None
+    return pa.ListArray.from_arrays(pa.array(offsets), inner, mask=mask)
+
+
 def _pixel_rows(column: pa.ChunkedArray | pa.Array, device: torch.device) -> list[torch.Tensor | None]:
     """Each row's pixel bytes as a flat uint8 tensor on `device` (None for null rows).
 
@@ -340,6 +373,7 @@ class EncoderActor:
         self.engine = GraphEncoder(self.vision, buckets)
         self.device = self.vision.device
         self.dim = self.vision.output_dim(self.pooling)
+        self.deepstack_layers = deepstack_layers(self.vision.config) if self.pooling == "none" else 0
         stats = self.engine.stats()
         print(
             f"[deployments.batch] encoder {self.vision.name} on {self.device} ({self.vision.dtype}): "
@@ -391,9 +425,16 @@ class EncoderActor:
             start = end
         return PatchBatch(torch.cat(parts), torch.tensor(grid, dtype=torch.int64).reshape(-1, 3))
 
-    def _encode(self, order, image, heights, widths, errors) -> dict[int, torch.Tensor]:
+    def _run(self, batch: PatchBatch) -> list:
+        """Per image a pooled vector, or with pooling="none" an `encoder.outputs.LLMOutput` (tokens, DeepStack
+        features, patch grid)."""
+        if self.pooling == "none":
+            return self.engine.encode_llm(batch)
+        return self.engine.encode(batch, pooling=self.pooling)
+
+    def _encode(self, order, image, heights, widths, errors) -> dict[int, Any]:
         try:
-            outs = self.engine.encode(self._patch_batch(order, image, heights, widths), pooling=self.pooling)
+            outs = self._run(self._patch_batch(order, image, heights, widths))
             return dict(zip(order, outs, strict=True))
         except Exception as batch_exc:
             if len(order) == 1:
@@ -403,7 +444,7 @@ class EncoderActor:
             results = {}
             for i in order:
                 try:
-                    (out,) = self.engine.encode(self._patch_batch([i], image, heights, widths), pooling=self.pooling)
+                    (out,) = self._run(self._patch_batch([i], image, heights, widths))
                     results[i] = out
                 except Exception as exc:
                     errors[i] = f"encode failed: {_describe(exc)}"
@@ -411,7 +452,7 @@ class EncoderActor:
                 raise batch_exc
             return results
 
-    def _output(self, table: pa.Table, results: dict[int, torch.Tensor], errors: list) -> pa.Table:
+    def _output(self, table: pa.Table, results: dict[int, Any], errors: list) -> pa.Table:
         n = table.num_rows
         valid = np.array([i in results for i in range(n)], dtype=bool)
         out = table.drop_columns([c for c in (*INTERNAL, ERROR) if c in table.column_names])
@@ -420,26 +461,39 @@ class EncoderActor:
             for i, vec in results.items():
                 values[i] = vec.numpy()
             out = out.append_column(EMBEDDING, _fixed_size_list(values, self.dim, ~valid))
-        else:
-            tokens = [results[i].shape[0] if i in results else 0 for i in range(n)]
-            offsets = np.zeros(n + 1, dtype=np.int32)
-            np.cumsum(tokens, out=offsets[1:])
-            flat = [results[i].numpy() for i in range(n) if i in results]
-            values = np.concatenate(flat) if flat else np.zeros((0, self.dim), dtype=np.float32)
-            inner = _fixed_size_list(values, self.dim, None)
+        else:  # LLM-ready outputs (layout: the module docstring)
+            rows = [i for i in range(n) if i in results]
+            grid = np.zeros((n, 3), dtype=np.int32)
+            for i in rows:
+                grid[i] = results[i].grid_thw
+            m = self.vision.config.spatial_merge_size
+            tokens = np.zeros(n, dtype=np.int64)
+            tokens[rows] = [len(results[i].tokens) for i in rows]
+            vectors = _vectors([results[i].tokens.numpy() for i in rows], self.dim)
+            out = out.append_column(EMBEDDING, _lists(tokens.tolist(), vectors, valid))
+            out = out.append_column(NUM_TOKENS, pa.array(tokens, type=pa.int32()))
+            out = out.append_column(GRID_T, pa.array(grid[:, 0], type=pa.int32()))
+            out = out.append_column(GRID_H, pa.array(grid[:, 1] // m, type=pa.int32()))
+            out = out.append_column(GRID_W, pa.array(grid[:, 2] // m, type=pa.int32()))
             mask = pa.array(~valid) if not valid.all() else None
-            out = out.append_column(EMBEDDING, pa.ListArray.from_arrays(pa.array(offsets), inner, mask=mask))
-            m = self.vision.config.spatial_merge_size * self.pp.patch_size
-            heights = table.column(HEIGHT).to_numpy(zero_copy_only=False)
-            widths = table.column(WIDTH).to_numpy(zero_copy_only=False)
-            out = out.append_column(NUM_TOKENS, pa.array(np.where(valid, tokens, 0), type=pa.int32()))
-            out = out.append_column(GRID_H, pa.array(np.where(valid, heights // m, 0), type=pa.int32()))
-            out = out.append_column(GRID_W, pa.array(np.where(valid, widths // m, 0), type=pa.int32()))
+            out = out.append_column(
+                GRID_THW, pa.FixedSizeListArray.from_arrays(pa.array(grid.reshape(-1)), 3, mask=mask)
+            )
+            if self.deepstack_layers:
+                k = self.deepstack_layers
+                if any(len(results[i].deepstack) != k for i in rows):
+                    raise RuntimeError(f"the engine returned DeepStack layers other than the config's {k}")
+                layers = _vectors([d.numpy() for i in rows for d in results[i].deepstack], self.dim)
+                per_layer = _lists([int(tokens[i]) for i in rows for _ in range(k)], layers)  # a list per (row, layer)
+                out = out.append_column(DEEPSTACK, _lists([k if valid[i] else 0 for i in range(n)], per_layer, valid))
         return out.append_column(ERROR, pa.array(errors, type=pa.string()))
 
 
-def output_schema(input_schema: pa.Schema, image_column: str, pooling: str, dim: int) -> pa.Schema:
-    """The schema `embed_dataset` produces for an input schema (documented layout)."""
+def output_schema(
+    input_schema: pa.Schema, image_column: str, pooling: str, dim: int, deepstack_layers: int = 0
+) -> pa.Schema:
+    """The schema `embed_dataset` produces for an input schema (documented layout in the module docstring);
+    `deepstack_layers` (pooling="none"): the model's DeepStack layers (`deepstack_layers(config)`)."""
     fields = [f for f in input_schema if f.name != image_column]
     vector = pa.list_(pa.float32(), dim)
     if pooling != "none":
@@ -448,9 +502,13 @@ def output_schema(input_schema: pa.Schema, image_column: str, pooling: str, dim:
         fields += [
             pa.field(EMBEDDING, pa.list_(vector)),
             pa.field(NUM_TOKENS, pa.int32()),
+            pa.field(GRID_T, pa.int32()),
             pa.field(GRID_H, pa.int32()),
             pa.field(GRID_W, pa.int32()),
+            pa.field(GRID_THW, pa.list_(pa.int32(), 3)),
         ]
+        if deepstack_layers:
+            fields.append(pa.field(DEEPSTACK, pa.list_(pa.list_(vector))))
     return pa.schema([*fields, pa.field(ERROR, pa.string())])
 
 
@@ -484,7 +542,8 @@ def embed_dataset(
         `fixed_size_list<float32>[dim]` (null for error rows);
       * pooling="none": `embedding` is `list<fixed_size_list<float32>[out_dim]>`, one vector per
         output token in the merger's order (row-major over the `grid_h` x `grid_w` token grid), plus
-        `num_tokens`, `grid_h`, `grid_w` (int32, 0 for error rows);
+        `num_tokens`, `grid_t`, `grid_h`, `grid_w` (int32, 0 for error rows), `grid_thw` (the patch
+        grid, HF's `image_grid_thw`) and, for DeepStack models, `deepstack` (see the module docstring);
       * `error`: null, or why the row's image could not be embedded (`ImageDecodeError: ...`).
     Rows out = rows in; row order is not kept (carry an id column).
 

@@ -37,6 +37,8 @@ from .dataset import (
     ERROR,
     bucket_table_for,
     check_input_schema,
+    config_for,
+    deepstack_layers,
     effective_buckets,
     embed_dataset,
     gpus_in_cluster,
@@ -74,7 +76,7 @@ class JobConfig:
     attention: str | None = None
     buckets: str | None = None
     batch_size: int | None = None
-    part_rows: int | None = None  # default: 10000 rows for mean pooling, 1000 for per-token output
+    part_rows: int | None = None  # default: 10000 rows for mean pooling, 1000 / (1 + DeepStack layers) per token
     decode_batch_size: int = 32
     decode_concurrency: int | None = None
     num_gpus: int | None = None
@@ -362,7 +364,10 @@ def _resolve_part_rows(cfg: JobConfig) -> int:
         if cfg.part_rows < 1:
             raise JobError(f"part_rows must be >= 1, got {cfg.part_rows}")
         return cfg.part_rows
-    return 1_000 if cfg.pooling == "none" else 10_000
+    if cfg.pooling != "none":
+        return 10_000
+    # per-token output, DeepStack layers included: about the same bytes per part whatever the layers
+    return max(1, 1_000 // (1 + deepstack_layers(config_for(cfg.model))))
 
 
 def _sample_typical_patches(cfg: JobConfig, files: list[InputFile], part: Part, size: int = 32) -> int:
