@@ -4,6 +4,9 @@ Accepted layouts: `config.json` of a full VLM (its `vision_config` is used) or o
 alone; weights in `model.safetensors` or shards listed in `model.safetensors.index.json`; vision
 weights under `visual.`, `model.visual.` or at the top level (a vision tower saved alone). Only
 the vision tensors are read, so a 7B VLM checkpoint costs the tower's bytes, not the LLM's.
+Qwen-family model types: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe (full
+VLMs, `*ForConditionalGeneration` saved by transformers 5: tower under `model.visual.`, DeepStack
+mergers as `deepstack_merger_list.K.*`) and their `*_vision` tower types (`config.from_hf_dict`).
 CLIP / SigLIP: a full `CLIPModel` / `SiglipModel` (vision weights under `vision_model.`, CLIP's
 `visual_projection.` at the top level; the text tower is not read) or the vision model alone
 (`CLIPVisionModelWithProjection`, `SiglipVisionModel`); the tower class names its own prefixes

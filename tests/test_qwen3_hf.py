@@ -223,8 +223,10 @@ def copy_checkpoint(checkpoint, tmp_path):
          "unexpected vision weights.*deepstack_merger_list.2.norm.bias"),
         (lambda s: s.update({"model.visual.pos_embed.weight": torch.ones(81, 64)}),
          r"'pos_embed.weight' has shape \(81, 64\), the config expects \(64, 64\)"),
+        (lambda s: [s.pop(k) for k in list(s) if k.startswith("model.visual.")],
+         "no vision tower weights found"),
     ],
-    ids=["missing", "unexpected", "shape"],
+    ids=["missing", "unexpected", "shape", "no-tower"],
 )  # fmt: skip
 @cases(("qwen3_vl", "full"))
 def test_checkpoint_weight_errors(checkpoint, edit, match, tmp_path):
