@@ -131,20 +131,18 @@ def generate(model, inputs: dict, max_new_tokens: int, eos_token_id: int | None 
 
 
 def _tokenizer_prompt(checkpoint: Path, prompt: str, images: int):
-    """(token ids with one image placeholder per image, processor) from the checkpoint's chat template,
-    or None when the directory has no tokenizer."""
-    try:
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(checkpoint)
-        tokenizer = processor.tokenizer
-    except Exception:  # no tokenizer files (e.g. the tiny test checkpoints)
+    """(token ids with one image placeholder per image, tokenizer) from the checkpoint's chat template,
+    or None when the directory has no tokenizer (e.g. the tiny test checkpoints)."""
+    if not any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
+    from transformers import AutoProcessor  # the Qwen processors also need torchvision (video processor)
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
     content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}]
     text = processor.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
-    return tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer
+    return processor.tokenizer(text, add_special_tokens=False)["input_ids"], processor.tokenizer
 
 
 def bare_prompt(config, images: int, text_ids: tuple[int, ...] = (5, 6, 7)) -> list[int]:
