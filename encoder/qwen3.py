@@ -188,8 +188,8 @@ class Qwen3VisionTower(nn.Module):
     def position_embedding(self, frames_hw: torch.Tensor, total: int) -> torch.Tensor:
         """[S, D] float32: the learned table resampled to each frame's grid (weighted sum of 4 rows)."""
         idx, weights = position_taps(frames_hw, total, self.cfg.spatial_merge_size, self.cfg.num_grid_per_side)
-        rows = self.pos_embed.weight.float()[idx]  # [S, 4, D]
-        return (rows * weights[:, :, None]).sum(1)
+        # one gather-and-weighted-sum kernel, no [S, 4, D] intermediate (600 MB at 32k patches)
+        return F.embedding_bag(idx, self.pos_embed.weight.float(), per_sample_weights=weights, mode="sum")
 
     def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
         """pixel_values [S, C*T*P*P] (HF order; rows past the frames are padding), frames_hw [F, 2]
