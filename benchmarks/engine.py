@@ -71,7 +71,7 @@ def make_batch(enc, images: int, side: int) -> encoder.PatchBatch:
     return encoder.PatchBatch(pv, grid)
 
 
-def hf_tower(enc):
+def hf_tower(enc, device: str = "cuda"):
     """The transformers vision tower of the same family and config, holding our weights (bf16, sdpa)."""
     cfg = enc.config
     if cfg.family == "qwen3_vl":
@@ -93,8 +93,8 @@ def hf_tower(enc):
             window_size=cfg.window_size,
         )  # fmt: skip
     hf_cfg._attn_implementation = "sdpa"
-    with torch.device("cuda"):
-        model = Model(hf_cfg).to(torch.bfloat16).eval()
+    with torch.device(device):
+        model = Model(hf_cfg).to(enc.dtype).eval()
     state = {k: v for k, v in enc.model.state_dict().items()}
     state["patch_embed.proj.weight"] = state["patch_embed.proj.weight"].view(model.patch_embed.proj.weight.shape)
     missing, unexpected = model.load_state_dict(state, strict=False)
