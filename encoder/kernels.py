@@ -96,12 +96,12 @@ if triton is not None:
     @triton.jit
     def _rotary_qkv_kernel(
         qkv_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HALF_BLOCK: tl.constexpr,
+        HALF_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr,
     ):  # fmt: skip
         # one program per token: rotate q and k of every head, copy v; out is [3, S, H, D]
         row = tl.program_id(0).to(tl.int64)
         half = HEAD_DIM // 2
-        heads = tl.arange(0, HEADS)[:, None]
+        heads = tl.arange(0, HEADS_BLOCK)[:, None]  # a power of two, masked to HEADS (12 heads: 16 lanes)
         cols = tl.arange(0, HALF_BLOCK)[None, :]
         mask = (cols < half) & (heads < HEADS)
         c = tl.load(cos_ptr + row * HEAD_DIM + cols, mask=cols < half, other=0.0)
@@ -146,10 +146,9 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
 
         return rot(q), rot(k), v.contiguous()
     out = torch.empty(3, rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    assert heads & (heads - 1) == 0, "the fused rotary kernel tiles heads by a power of two"
     _rotary_qkv_kernel[(rows,)](
         qkv, cos, sin, out, rows, HEADS=heads, HEAD_DIM=head_dim,
-        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=4,
+        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads), num_warps=4,
     )  # fmt: skip
     return out[0], out[1], out[2]
 

@@ -40,6 +40,11 @@ def check_kernels(monkeypatch, device, dtype, rows, tol):
     for g, e in zip(got, ref, strict=True):
         assert g.shape == e.shape and g.is_contiguous()
         assert rel_err(g, e) <= tol
+    # a head count that is not a power of two (Qwen3.5-0.8B: 12 heads)
+    angles = torch.randn(rows, 12, generator=torch.Generator().manual_seed(1)).to(device)
+    cos12, sin12 = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    got, ref = run_both(monkeypatch, kernels.rotary_qkv, r(rows, 3 * 12 * 24), cos12, sin12, 12)
+    assert all(rel_err(g, e) <= tol for g, e in zip(got, ref, strict=True))
     gu = r(rows, 2 * 200)
     got, ref = run_both(monkeypatch, kernels.silu_mul, gu)
     assert rel_err(got, ref) <= tol

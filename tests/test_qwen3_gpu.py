@@ -69,10 +69,11 @@ def test_outputs_are_written_every_replay(graph, bf16):
     """Outputs poisoned with NaN between replays come back finite and equal: every row is rewritten."""
     batch = random_batch([[1, 20, 36], [1, 14, 14]], bf16.config.patch_dim, seed=5)
     first = graph.encode_llm(batch)
-    for ws in graph.runner.workspaces.values():
-        ws.pixel_values.fill_(1e4)  # stale padding rows: huge but finite
-        for t in ws.out.tensors():
-            t.fill_(float("nan"))
+    with torch.inference_mode():  # the outputs were made inside the graph, under inference mode
+        for ws in graph.runner.workspaces.values():
+            ws.pixel_values.fill_(1e4)  # stale padding rows: huge but finite
+            for t in ws.out.tensors():
+                t.fill_(float("nan"))
     second = graph.encode_llm(batch)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a.tokens, b.tokens) and all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack))
@@ -88,3 +89,15 @@ def test_every_available_backend_captures(bf16, backend):
     for case in range(6):
         batch = random_batch(split_grids([256, 4096][case % 2], rng, max_side=48), enc.config.patch_dim, seed=case)
         assert_llm_close(graph.encode_llm(batch), bf16.encode_llm(batch), 1e-2)
+
+
+def test_qwen35_without_deepstack_and_12_heads():
+    """Qwen3.5's tower (no DeepStack; 12 heads in the 0.8B: not a power of two) through graph replay."""
+    fp32 = encoder.load("qwen3.5-0.8b", device="cuda", dtype=torch.float32)
+    enc = copy.copy(fp32)
+    enc.model = copy.deepcopy(fp32.model).to(torch.bfloat16)
+    graph = workspace.GraphEncoder(enc, buckets="256,1024")
+    batch = random_batch([[1, 14, 14], [1, 8, 20], [1, 40, 40]], fp32.config.patch_dim, seed=9)  # last one eager
+    for o, r in zip(graph.encode_llm(batch), fp32.encode_llm(batch), strict=True):
+        assert o.deepstack == [] and r.deepstack == [] and o.grid_thw == r.grid_thw
+        assert torch.isfinite(o.tokens).all() and rel_err(o.tokens, r.tokens) <= 1e-2
