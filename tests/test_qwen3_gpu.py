@@ -76,7 +76,8 @@ def test_outputs_are_written_every_replay(graph, bf16):
                 t.fill_(float("nan"))
     second = graph.encode_llm(batch)
     for a, b in zip(first, second, strict=True):
-        assert torch.equal(a.tokens, b.tokens) and all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack))
+        assert torch.equal(a.tokens, b.tokens)
+        assert all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack, strict=True))
 
 
 @pytest.mark.parametrize("backend", [n for n, why in available_backends().items() if why is None])
