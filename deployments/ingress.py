@@ -435,8 +435,6 @@ class VisionIngress:
         inputs (the message names the position, e.g. "images[3]: ..."), `ray.serve.exceptions.BackPressureError`
         when the service is over capacity and `TimeoutError` past `request_timeout_s`. The per-image limits
         (encoded bytes, pixels, formats) apply; the per-request ones (images, patches) are HTTP's."""
-        if pooling is not None:
-            check_pooling(pooling)
         return await self._handle_call(images, pooling, None)
 
     async def embed_llm(self, images, dtype: str = "float32") -> list[dict]:
@@ -445,7 +443,6 @@ class VisionIngress:
         without], "grid_thw": [t, h, w]}` (the patch grid, as the Hugging Face processor's `image_grid_thw`).
         The arrays are float32, or with `dtype="float16"` np.float16, with `dtype="bfloat16"` np.uint16 holding
         bfloat16 bit patterns (`torch.from_numpy(x).view(torch.bfloat16)`); both halve what crosses processes."""
-        check_dtype(dtype)
         return [handle_item(w) for w in await self._handle_call(images, "none", dtype)]
 
     async def _handle_call(self, images, pooling: str | None, llm: str | None) -> list:
@@ -457,6 +454,10 @@ class VisionIngress:
             raise self._overloaded()
         outcome, n_images, patches = "client_error", len(images), 0
         try:
+            if pooling is not None:
+                check_pooling(pooling)
+            if llm is not None:
+                check_dtype(llm)
             if not images:
                 outcome = "ok"
                 return []

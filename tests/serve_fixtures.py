@@ -66,13 +66,14 @@ def running_app(app, name: str, route_prefix: str = "/") -> Iterator[Service]:
 
 @contextmanager
 def running_apps(apps: list[tuple[object, str, str]]) -> Iterator[list[Service]]:
-    """Deploy several `(app, name, route_prefix)` side by side (one Serve start-up for all, each app's
-    `base_url` ending in its prefix); shut Serve down afterwards."""
+    """Deploy several `(app, name, route_prefix)` side by side, concurrently (`serve.run_many`; each app's
+    `base_url` ends in its prefix); shut Serve down afterwards."""
     base_url = start_serve()
     try:
+        handles = serve.run_many([serve.RunTarget(app, name=name, route_prefix=prefix) for app, name, prefix in apps])
         yield [
-            Service(serve.run(app, name=name, route_prefix=prefix), base_url + prefix.rstrip("/"), name)
-            for app, name, prefix in apps
+            Service(handle, base_url + prefix.rstrip("/"), name)
+            for handle, (_, name, prefix) in zip(handles, apps, strict=True)
         ]
     finally:
         serve.shutdown()
