@@ -280,19 +280,6 @@ def parse_embedding_request(body: bytes) -> EmbeddingRequest:
     return parsed
 
 
-def embedding_item(index: int, vec: np.ndarray, encoding_format: str) -> dict:
-    """One `data[]` entry of a float32 vector or token matrix. pooling=none: `embedding` is [tokens][out_dim]
-    (float) or the row-major flattened matrix (base64), and `shape` gives [tokens, out_dim]."""
-    item: dict[str, Any] = {"object": "embedding", "index": index}
-    if encoding_format == "base64":
-        item["embedding"] = _b64(vec, "float32").decode("ascii")
-    else:
-        item["embedding"] = np.ascontiguousarray(vec, dtype=np.float32)  # orjson writes it natively
-    if vec.ndim == 2:
-        item["shape"] = list(vec.shape)
-    return item
-
-
 def _b64(x: np.ndarray, dtype: str) -> bytes:
     """Base64 of `x`'s little-endian bytes in the wire `dtype` (no copy when `x` already is one)."""
     x = to_wire(x, dtype)
