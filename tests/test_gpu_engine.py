@@ -49,7 +49,7 @@ def test_bf16_matches_fp32(fp32, bf16):
 
 def test_capture_cost(graph):
     s = graph.stats()
-    assert s["captures"] == len(graph.table)
+    assert s["captures"] == len(graph.runner.graphs) >= len(graph.table)  # a bucket may have several shapes
     assert s["capture_seconds"] <= 20, s
     assert s["capture_bytes"] <= 2 * 2**30, s
 

@@ -11,6 +11,7 @@ import torch
 from graph_cases import random_batch
 from torch import nn
 
+import workspace
 from encoder.tower import Bounds, GraphTower, TowerOutput, frames_dummy, segment_means
 from workspace import BucketTable, GraphRunner
 from workspace.runner import GraphCaptureError
@@ -72,6 +73,27 @@ def test_fake_tower_runs_through_the_runner():
         torch.testing.assert_close(mean, want.mean(0))
     assert runner.stats.eager_runs == 1 and sum(runner.stats.replays.values()) >= 2
     assert out.pooled is None
+
+
+@torch.no_grad()
+def test_a_bucket_has_graph_shapes_by_longest_image():
+    """Few large images and many small ones in the same bucket use different graph shapes (image slots x
+    longest image), each holding what it gets; results equal the reference either way."""
+    tower = PairSumTower()
+    runner = GraphRunner(tower, BucketTable([workspace.BucketKey(1024, 64)]), max_image_patches=1024)
+    shapes = runner.shapes[workspace.BucketKey(1024, 64)]
+    assert len(shapes) > 1 and shapes[-1].max_images == 64 and shapes[-1].bounds.max_seqlen == 1024
+    assert [s.launch_cost for s in shapes] == sorted(s.launch_cost for s in shapes)
+    for grids in ([[1, 16, 16]] * 3, [[1, 2, 4]] * 60, [[1, 30, 30], [1, 2, 2]]):
+        runner.workspaces.clear()
+        batch = random_batch(grids, 6, seed=len(grids))
+        out = runner.run_all(batch.pixel_values, batch.grid_thw)
+        for got, want in zip(out.tokens, reference(tower, grids, batch.pixel_values), strict=True):
+            torch.testing.assert_close(got, want)
+        (used,) = runner.workspaces
+        longest = max(h * w for _, h, w in grids)
+        assert used.holds(len(grids), longest)
+        assert all(s.launch_cost >= used.launch_cost for s in shapes if s.holds(len(grids), longest))
 
 
 def test_runner_refuses_what_is_not_a_tower():

@@ -24,7 +24,7 @@ import torch
 from encoder.geometry import frames_of
 from encoder.tower import Bounds, GraphTower, TowerOutput
 from workspace.buckets import BucketKey, BucketTable, Pack
-from workspace.buffers import Workspace
+from workspace.buffers import GraphShape, Workspace
 
 
 class GraphCaptureError(RuntimeError):
@@ -86,8 +86,8 @@ class GraphRunner:
         self.debug = debug
         self.max_image_patches = max_image_patches
         self.stats = RunnerStats()
-        self.workspaces: dict[BucketKey, Workspace] = {}
-        self.graphs: dict[BucketKey, torch.cuda.CUDAGraph] = {}
+        self.workspaces: dict[GraphShape, Workspace] = {}
+        self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self._lock = threading.Lock()
         per_image = tower.patches_per_image
         for key in table.keys:
@@ -98,6 +98,7 @@ class GraphRunner:
                 )
             if key.budget % tower.merge_unit:
                 raise GraphCaptureError(f"bucket budget {key.budget} is not a multiple of {tower.merge_unit}")
+        self.shapes = {key: self._shapes_of(key) for key in table.keys}
         if self.use_graphs:
             self._capture_all()
 
@@ -111,15 +112,29 @@ class GraphRunner:
         else:
             ws.out.copy_(out)
 
-    def _workspace(self, key: BucketKey) -> Workspace:
-        ws = self.workspaces.get(key)
+    def _shapes_of(self, key: BucketKey) -> list[GraphShape]:
+        """The graphs of one bucket, cheapest launch first: the full shape (every slot, the longest image
+        the bucket can hold), then, for variable-resolution towers, shapes whose longest image is a
+        quarter, a sixteenth, ... of it with slots for 4x as many such images as fill the budget."""
+        longest = min(self.max_image_patches, key.budget)
+        shapes = {GraphShape(key.budget, key.max_images, self.tower.bucket_bounds(key.budget, key.max_images, longest))}
+        while self.tower.patches_per_image is None and longest > 64:
+            longest = -(-longest // 4)
+            fill = -(-key.budget // longest)  # images of `longest` patches that fill the budget
+            if fill > key.max_images:
+                break
+            slots = min(key.max_images, 4 * fill)
+            shapes.add(GraphShape(key.budget, slots, self.tower.bucket_bounds(key.budget, slots, longest)))
+        return sorted(shapes, key=lambda g: (g.launch_cost, g.max_images))
+
+    def _workspace(self, shape: GraphShape) -> Workspace:
+        ws = self.workspaces.get(shape)
         if ws is None:
-            bounds = self.tower.bucket_bounds(key.budget, key.max_images, self.max_image_patches)
             # normal tensors even when first needed under inference_mode: tests and debug tools
             # may write into them later
             with torch.inference_mode(False):
-                ws = Workspace.allocate(key, self.tower.patch_dim, bounds, self.device)
-            self.workspaces[key] = ws
+                ws = Workspace.allocate(shape, self.tower.patch_dim, self.device)
+            self.workspaces[shape] = ws
         return ws
 
     def _fill_dummy(self, ws: Workspace) -> None:
@@ -134,7 +149,8 @@ class GraphRunner:
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved(self.device)
         ws_bytes = 0
-        for key in sorted(self.table.keys, key=lambda k: k.budget, reverse=True):
+        every = [shape for shapes in self.shapes.values() for shape in shapes]
+        for key in sorted(every, key=lambda g: (g.budget, g.launch_cost), reverse=True):
             ws = self._workspace(key)
             ws_bytes += ws.pixel_values.nbytes + ws.frames_hw.nbytes
             self._fill_dummy(ws)
@@ -207,20 +223,22 @@ class GraphRunner:
         return tokens, deep
 
     def _run_bucket(self, pack: Pack, pixel_values, grid, starts):
-        ws = self._workspace(pack.key)
         idx = pack.indices
+        longest = max(grid[i][1] * grid[i][2] for i in idx)
+        shape = next(g for g in self.shapes[pack.key] if g.holds(len(idx), longest))  # the full shape holds all
+        ws = self._workspace(shape)
         # consecutive images -> one contiguous slice of the packed input
         src = pixel_values[starts[idx[0]] : starts[idx[-1] + 1]]
         rows = src.shape[0]
         ws.pixel_values[:rows].copy_(src, non_blocking=True)
         # pinned: a pageable upload may wait for the replays already queued (GraphEncoder.encode_async)
-        frames = torch.zeros(pack.key.max_images, 2, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        frames = torch.zeros(shape.max_images, 2, dtype=torch.long, pin_memory=self.device.type == "cuda")
         frames[: len(idx)] = torch.tensor([grid[i][1:] for i in idx])
         ws.frames_hw.copy_(frames, non_blocking=True)
         if self.use_graphs:
             if self.debug:
-                assert ws.input_ptrs() == ws.captured_ptrs, f"bucket {pack.key}: inputs moved since capture"
-            self.graphs[pack.key].replay()
+                assert ws.input_ptrs() == ws.captured_ptrs, f"graph {shape}: inputs moved since capture"
+            self.graphs[shape].replay()
         else:
             self._body(ws, self.tower.batch_bounds([grid[i] for i in idx]))
         self.stats.replays[pack.key.budget] += 1
