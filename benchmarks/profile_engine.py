@@ -1,6 +1,6 @@
 """Kernel-time breakdown of one eager forward (CUDA), to see what the graph replay spends on.
 
-Run: `python benchmarks/profile_engine.py --patches 256,8192 [--backend torch_varlen]`.
+Run: `python benchmarks/profile_engine.py --images 1,32 [--side 224] [--model qwen3-vl-8b] [--backend torch_varlen]`.
 `--launch`: instead, the host side of one 224x224 image through the replica's path (pinned upload,
 patchify, `GraphEncoder.encode_async`): launch time vs launch-to-result, and the CPU ops of the launch.
 """
@@ -26,7 +26,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="qwen2.5-vl-7b")
     parser.add_argument("--backend", default=None)
-    parser.add_argument("--patches", default="256,8192", help="images of 256 patches (224x224) per run")
+    parser.add_argument("--images", default="1,32", help="224x224 images per profiled forward, comma list")
+    parser.add_argument("--side", type=int, default=224, help="image side in pixels")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--launch", action="store_true", help="profile the host side of one-image launches")
     args = parser.parse_args()
@@ -34,10 +35,10 @@ def main() -> int:
         return profile_launch(args)
     enc = encoder.load(args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend)
     enc.model.fuse(128)
-    for total in map(int, args.patches.split(",")):
-        n = max(1, total // 256)
-        grid = torch.tensor([[1, 16, 16]] * n)
-        batch = encoder.PatchBatch(torch.randn(n * 256, enc.config.patch_dim, device="cuda"), grid)
+    g = args.side // enc.config.patch_size
+    for n in map(int, args.images.split(",")):
+        grid = torch.tensor([[1, g, g]] * n)
+        batch = encoder.PatchBatch(torch.randn(n * g * g, enc.config.patch_dim, device="cuda"), grid)
         for _ in range(3):
             enc.forward_packed(batch)
         torch.cuda.synchronize()
@@ -45,7 +46,7 @@ def main() -> int:
             for _ in range(5):
                 enc.forward_packed(batch)
             torch.cuda.synchronize()
-        print(f"\n### {n} x 224x224 ({n * 256} patches), {enc.model.backend.name}, per 5 forwards")
+        print(f"\n### {n} x {args.side}x{args.side} ({n * g * g} patches), {enc.model.backend.name}, per 5 forwards")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     return 0
 
