@@ -317,7 +317,7 @@ def test_cli_paths_ipc_per_token(ray_cluster, tmp_path):
     assert rows[40]["embedding"] is None and rows[41]["num_tokens"] == 0
     for k, want in zip(range(40), reference([want_images[k] for k in range(40)], "none"), strict=True):
         row = rows[k]
-        assert row["error"] is None and row["num_tokens"] == want.shape[0] == row["grid_h"] * row["grid_w"]
+        assert row["error"] is None and row["num_tokens"] == want.shape[0] == row["grid_h"] * row["grid_w"] // 4
         assert_close(np.asarray(row["embedding"], dtype=np.float32), want)
 
 

@@ -52,8 +52,8 @@ def check_rows(out: pa.Table, ids: list[int], images: dict[int, bytes], bad: set
         w = want[i]
         t, h, wd = w.grid_thw
         assert row["error"] is None and row["grid_thw"] == [t, h, wd]
-        assert (row["grid_t"], row["grid_h"], row["grid_w"]) == (t, h // m, wd // m)
-        assert row["num_tokens"] == row["grid_t"] * row["grid_h"] * row["grid_w"] == w.tokens.shape[0]
+        assert (row["grid_t"], row["grid_h"], row["grid_w"]) == (t, h, wd)  # the patch grid: HF image_grid_thw
+        assert row["num_tokens"] == t * h * wd // (m * m) == w.tokens.shape[0]
         assert_close(row["embedding"], w.tokens)
         if layers:
             assert len(row["deepstack"]) == layers == len(w.deepstack)

@@ -115,15 +115,15 @@ class GraphRunner:
     def _shapes_of(self, key: BucketKey) -> list[GraphShape]:
         """The graphs of one bucket, cheapest launch first: the full shape (every slot, the longest image
         the bucket can hold), then, for variable-resolution towers, shapes whose longest image is a
-        quarter, a sixteenth, ... of it with slots for 4x as many such images as fill the budget."""
+        half, a quarter, ... of it with slots for twice as many such images as fill the budget."""
         longest = min(self.max_image_patches, key.budget)
         shapes = {GraphShape(key.budget, key.max_images, self.tower.bucket_bounds(key.budget, key.max_images, longest))}
         while self.tower.patches_per_image is None and longest > 64:
-            longest = -(-longest // 4)
+            longest = -(-longest // 2)
             fill = -(-key.budget // longest)  # images of `longest` patches that fill the budget
             if fill > key.max_images:
                 break
-            slots = min(key.max_images, 4 * fill)
+            slots = min(key.max_images, 2 * fill)
             shapes.add(GraphShape(key.budget, slots, self.tower.bucket_bounds(key.budget, slots, longest)))
         return sorted(shapes, key=lambda g: (g.launch_cost, g.max_images))
 

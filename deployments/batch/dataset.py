@@ -15,12 +15,12 @@ The pipeline has two stages:
 
 Output columns with `pooling="none"` (one row per image; every column null or 0 on error rows):
   * `embedding`: `list<fixed_size_list<float32>[out_dim]>`, the merger's tokens in order (row-major over
-    the `grid_h` x `grid_w` token grid), what replaces the image's placeholder tokens in the LLM.
-  * `num_tokens`, `grid_t`, `grid_h`, `grid_w`: `int32`, the tokens and the token grid (`num_tokens =
-    grid_t * grid_h * grid_w`; `grid_t` is 1 for images; the merger joins `spatial_merge_size`² patches).
-  * `grid_thw`: `fixed_size_list<int32>[3]`, the patch grid `[t, h, w]` = the Hugging Face processor's
-    `image_grid_thw` row, which the LLM's M-RoPE positions are computed from (`h = grid_h *
-    spatial_merge_size`, same for `w`).
+    the (grid_h / m) x (grid_w / m) token grid, m = `spatial_merge_size`), what replaces the image's
+    placeholder tokens in the LLM.
+  * `num_tokens`, `grid_t`, `grid_h`, `grid_w`: `int32`, the tokens and the patch grid = the Hugging Face
+    processor's `image_grid_thw` row, which the LLM's M-RoPE positions are computed from
+    (`num_tokens = grid_t * grid_h * grid_w / m**2`; `grid_t` is 1 for images).
+  * `grid_thw`: `fixed_size_list<int32>[3]`, the same patch grid as one value `[grid_t, grid_h, grid_w]`.
   * `deepstack` (DeepStack models only, e.g. Qwen3-VL): `list<list<fixed_size_list<float32>[out_dim]>>`,
     `deepstack[k][t]` = DeepStack layer k's feature of token t, layers in the model's order
     (`deepstack_visual_indexes`); the LLM adds layer k's features at the image positions after decoder
@@ -466,15 +466,14 @@ class EncoderActor:
             grid = np.zeros((n, 3), dtype=np.int32)
             for i in rows:
                 grid[i] = results[i].grid_thw
-            m = self.vision.config.spatial_merge_size
             tokens = np.zeros(n, dtype=np.int64)
             tokens[rows] = [len(results[i].tokens) for i in rows]
             vectors = _vectors([results[i].tokens.numpy() for i in rows], self.dim)
             out = out.append_column(EMBEDDING, _lists(tokens.tolist(), vectors, valid))
             out = out.append_column(NUM_TOKENS, pa.array(tokens, type=pa.int32()))
             out = out.append_column(GRID_T, pa.array(grid[:, 0], type=pa.int32()))
-            out = out.append_column(GRID_H, pa.array(grid[:, 1] // m, type=pa.int32()))
-            out = out.append_column(GRID_W, pa.array(grid[:, 2] // m, type=pa.int32()))
+            out = out.append_column(GRID_H, pa.array(grid[:, 1], type=pa.int32()))
+            out = out.append_column(GRID_W, pa.array(grid[:, 2], type=pa.int32()))
             mask = pa.array(~valid) if not valid.all() else None
             out = out.append_column(
                 GRID_THW, pa.FixedSizeListArray.from_arrays(pa.array(grid.reshape(-1)), 3, mask=mask)
@@ -541,9 +540,9 @@ def embed_dataset(
         CLIP / SigLIP, "mean" otherwise; see `encoder.api`): `embedding` is
         `fixed_size_list<float32>[dim]` (null for error rows);
       * pooling="none": `embedding` is `list<fixed_size_list<float32>[out_dim]>`, one vector per
-        output token in the merger's order (row-major over the `grid_h` x `grid_w` token grid), plus
-        `num_tokens`, `grid_t`, `grid_h`, `grid_w` (int32, 0 for error rows), `grid_thw` (the patch
-        grid, HF's `image_grid_thw`) and, for DeepStack models, `deepstack` (see the module docstring);
+        output token in the merger's order (row-major over the merged `grid_h` x `grid_w` grid), plus
+        `num_tokens` and the patch grid `grid_t`, `grid_h`, `grid_w` = HF's `image_grid_thw` (int32, 0 for
+        error rows), the same grid as one `grid_thw` value and, for DeepStack models, `deepstack` (see the module docstring);
       * `error`: null, or why the row's image could not be embedded (`ImageDecodeError: ...`).
     Rows out = rows in; row order is not kept (carry an id column).
 
