@@ -542,7 +542,8 @@ def embed_dataset(
       * pooling="none": `embedding` is `list<fixed_size_list<float32>[out_dim]>`, one vector per
         output token in the merger's order (row-major over the merged `grid_h` x `grid_w` grid), plus
         `num_tokens` and the patch grid `grid_t`, `grid_h`, `grid_w` = HF's `image_grid_thw` (int32, 0 for
-        error rows), the same grid as one `grid_thw` value and, for DeepStack models, `deepstack` (see the module docstring);
+        error rows), the same grid as one `grid_thw` value and, for DeepStack models, `deepstack` (see
+        the module docstring);
       * `error`: null, or why the row's image could not be embedded (`ImageDecodeError: ...`).
     Rows out = rows in; row order is not kept (carry an id column).
 
