@@ -307,7 +307,7 @@ def load(
     path = Path(model)
     is_dir = path.is_dir()
     config = load_config(path) if is_dir else preset(model)
-    backend = get_backend(attention or default_backend_name(device.type))
+    backend = get_backend(attention or default_backend_name(device.type, config.attention_preference))
     why = backend.supports(device, dtype, config.head_dim)
     if why:
         raise ConfigError(f"attention backend {backend.name!r} cannot run this model: {why}")

@@ -18,6 +18,7 @@ _REGISTRY: dict[str, str] = {
     "torch_varlen": "encoder.attention.torch_varlen:TorchVarlenAttention",
     "flash_attn": "encoder.attention.flash:FlashAttn2",
     "fa3": "encoder.attention.flash:FlashAttn3",
+    "fa4": "encoder.attention.flash:FlashAttn4",
 }
 
 DEFAULT_BACKEND = "sdpa"
@@ -25,12 +26,13 @@ DEFAULT_BACKEND = "sdpa"
 CUDA_PREFERENCE = ("triton", "torch_varlen", "sdpa")
 
 
-def default_backend_name(device_type: str) -> str:
-    """The backend `load()` uses when none is named: the reference on CPU, the fastest on CUDA."""
+def default_backend_name(device_type: str, preference: tuple[str, ...] = CUDA_PREFERENCE) -> str:
+    """The backend `load()` uses when none is named: the reference on CPU, the first usable one of
+    `preference` on CUDA (a model's config may give its own: `attention_preference`)."""
     if device_type != "cuda":
         return DEFAULT_BACKEND
     usable = available_backends()
-    return next((n for n in CUDA_PREFERENCE if usable.get(n, "missing") is None), DEFAULT_BACKEND)
+    return next((n for n in preference if usable.get(n, "missing") is None), DEFAULT_BACKEND)
 
 
 def register(name: str, target: str) -> None:

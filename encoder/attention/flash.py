@@ -92,3 +92,45 @@ class FlashAttn3(_FlashVarlenBase):
     _module = "flash_attn_interface"
     _min_capability = (9, 0)  # FA3 kernels are Hopper-only (wgmma / TMA)
     _loaded = None
+
+
+class FlashAttn4(_FlashVarlenBase):
+    """FlashAttention-4 (`flash-attn-4`, CuTe DSL; Hopper and Blackwell). Kernels compile at first use
+    (~3 s per configuration: the warm-up before capture pays it). Its public `flash_attn_varlen_func`
+    takes `qv` as the fourth positional argument and returns a fresh tensor, so we call it by keyword;
+    the forward it wraps (`interface._flash_attn_fwd`, private) accepts `out=` and is used when present
+    (checked by signature), which skips the copy of real rows."""
+
+    name = "fa4"
+    _module = "flash_attn.cute"
+    _min_capability = (9, 0)
+    _loaded = None
+
+    @classmethod
+    def _load(cls) -> tuple | str:
+        if cls._loaded is None:
+            try:
+                interface = importlib.import_module("flash_attn.cute.interface")
+            except (ImportError, AttributeError, OSError) as exc:
+                cls._loaded = f"flash_attn.cute (flash-attn-4) is not importable ({type(exc).__name__}: {exc})"
+                return cls._loaded
+            fwd = getattr(interface, "_flash_attn_fwd", None)
+            try:
+                takes_out = fwd is not None and "out" in inspect.signature(fwd).parameters
+            except (TypeError, ValueError):
+                takes_out = False
+            cls._loaded = (fwd if takes_out else interface.flash_attn_varlen_func, takes_out)
+        return cls._loaded
+
+    def forward(self, q, k, v, cu_seqlens, max_seqlen, out):
+        fn, takes_out = self._load()
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        kwargs = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
+        kwargs.update(max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+        if takes_out and out.is_contiguous():
+            fn(q, k, v, out=out, **kwargs)  # writes rows inside segments only
+            return out
+        result = fn(q, k, v, **kwargs)
+        if isinstance(result, tuple):  # (out, lse)
+            result = result[0]
+        return _keep_real_rows(out, result, cu_seqlens)
