@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import default_backend_name, get_backend
+from .attention import available_backends, default_backend_name, get_backend
 from .checkpoint import load_config, load_weights, read_json
 from .config import ClipVisionConfig, SiglipVisionConfig, VisionConfig, preset
 from .errors import ConfigError, InvalidArgumentError
@@ -283,6 +283,18 @@ def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
                             merge_size=config.spatial_merge_size)  # fmt: skip
 
 
+def default_backend(device: torch.device, dtype: torch.dtype, config: VisionConfig):
+    """The first backend of the model's preference that is usable here and runs this dtype and head
+    dimension (FA4 is bf16/fp16 only: a float32 model on CUDA gets the next one)."""
+    if device.type == "cuda":
+        for name in config.attention_preference:
+            if available_backends().get(name, "missing") is None:
+                backend = get_backend(name)
+                if backend.supports(device, dtype, config.head_dim) is None:
+                    return backend
+    return get_backend(default_backend_name(device.type))
+
+
 def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
     # imported here while the module's imports are being reworked (only this function is ours to edit)
     from .config import Qwen3VLVisionConfig
@@ -307,7 +319,7 @@ def load(
     path = Path(model)
     is_dir = path.is_dir()
     config = load_config(path) if is_dir else preset(model)
-    backend = get_backend(attention or default_backend_name(device.type, config.attention_preference))
+    backend = get_backend(attention) if attention else default_backend(device, dtype, config)
     why = backend.supports(device, dtype, config.head_dim)
     if why:
         raise ConfigError(f"attention backend {backend.name!r} cannot run this model: {why}")
