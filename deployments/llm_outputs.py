@@ -2,9 +2,10 @@
 
 Per image the encoder replica's `encode_llm_pixels` returns a `WireLLM` tuple `(tokens, deepstack, grid_thw)`:
 `tokens` `[n, out_dim]` and each DeepStack layer's `[n, out_dim]` (`[]` for towers without) as numpy arrays
-in the requested wire dtype, and the patch grid `(t, h, w)`. The conversion runs in the replica's results
-thread, vectorised (one torch cast per array), so a bfloat16 answer crosses the process boundary at half
-the bytes of float32 and the ingress only base64-encodes the buffers.
+in the requested wire dtype, and the patch grid `(t, h, w)`. The engine casts on the device before its one
+copy to host memory (`GraphEncoder.encode_llm_async(..., dtype)`), so the results thread only makes numpy
+views; a bfloat16 answer crosses the process boundary at half the bytes of float32 and the ingress only
+base64-encodes the buffers.
 
 Wire dtypes (`EMBEDDING_DTYPES`):
   * `float32`: the engine's float32 values, as they are.
@@ -25,6 +26,8 @@ from encoder.errors import InvalidArgumentError
 
 EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
 _TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+#: the torch dtype the engine casts to on the device for each wire dtype
+WIRE_TORCH_DTYPES = {"float32": torch.float32, **_TORCH}
 _VIEW = {"float16": np.float16, "bfloat16": np.uint16}
 _NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
 
@@ -39,10 +42,12 @@ def check_dtype(dtype: str) -> str:
 
 
 def to_wire(x: torch.Tensor | np.ndarray, dtype: str) -> np.ndarray:
-    """A float32 CPU tensor or array -> a C-contiguous numpy array in the wire `dtype`; an array already in
-    it (and C-contiguous) is returned as it is."""
+    """A CPU tensor or array -> a C-contiguous numpy array in the wire `dtype`; one already in it (and
+    C-contiguous) is returned as it is, a tensor as a view of its memory."""
     if isinstance(x, np.ndarray) and x.dtype == _NUMPY[dtype]:
         return np.ascontiguousarray(x)
+    if isinstance(x, torch.Tensor) and x.dtype == WIRE_TORCH_DTYPES[dtype] and x.is_contiguous() and dtype != "float32":
+        return x.view(torch.int16).numpy().view(_VIEW[dtype])
     if dtype == "float32":
         out = x.numpy() if isinstance(x, torch.Tensor) else x
         return np.ascontiguousarray(out, dtype=np.float32)

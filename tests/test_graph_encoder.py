@@ -142,3 +142,15 @@ def test_encode_llm_matches_eager_and_pooling_none(pair):
         for gd, wd in zip(g.deepstack, w.deepstack, strict=True):
             assert rel_err(gd, wd) <= 1e-5
     assert graph.encode_llm([]) == [] and enc.encode_llm([]) == []
+
+
+def test_encode_llm_in_16_bit_is_the_rounded_float32(pair):
+    """The device-side cast (`encode_llm(..., dtype)`) gives the float32 outputs rounded, nothing else."""
+    enc, graph = pair
+    batch = random_batch([[1, 8, 12], [1, 4, 4]], enc.config.patch_dim, seed=8)
+    want = graph.encode_llm(batch)
+    for dtype in (torch.bfloat16, torch.float16):
+        for g, w in zip(graph.encode_llm(batch, dtype), want, strict=True):
+            assert g.tokens.dtype == dtype and g.grid_thw == w.grid_thw
+            assert torch.equal(g.tokens, w.tokens.to(dtype))
+            assert all(torch.equal(a, b.to(dtype)) for a, b in zip(g.deepstack, w.deepstack, strict=True))

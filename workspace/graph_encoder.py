@@ -207,20 +207,23 @@ class GraphEncoder:
         return PendingEncode(host, event, sizes, l2)
 
     @torch.inference_mode()
-    def encode_llm(self, images) -> list[LLMOutput]:
-        """Per image, the LLM-ready outputs (`encoder.outputs.LLMOutput`), as `VisionEncoder.encode_llm`."""
-        return self.encode_llm_async(images).result()
+    def encode_llm(self, images, dtype: torch.dtype = torch.float32) -> list[LLMOutput]:
+        """Per image, the LLM-ready outputs (`encoder.outputs.LLMOutput`), as `VisionEncoder.encode_llm`;
+        `dtype` of the returned tensors (float32, or a 16-bit type cast on the device)."""
+        return self.encode_llm_async(images, dtype).result()
 
     @torch.inference_mode()
-    def encode_llm_async(self, images) -> PendingLLM:
-        """`encode_llm` without waiting for the device (see `encode_async`): one copy to pinned host memory."""
+    def encode_llm_async(self, images, dtype: torch.dtype = torch.float32) -> PendingLLM:
+        """`encode_llm` without waiting for the device (see `encode_async`): one copy to pinned host memory,
+        cast to `dtype` on the device first (bfloat16 from a bf16 tower: its own values, half the bytes to
+        copy, and no cast left for the host)."""
         batch = images if isinstance(images, PatchBatch) else self.preprocess(images)
         if batch.num_images == 0:
             return PendingLLM(None, None, [], 0, [])
         self.encoder.check_batch(batch)
         out = self.runner.run_all(batch.pixel_values, batch.grid_thw)
         layers = len(out.deepstack[0])
-        flat = torch.cat(out.tokens + [d[k] for k in range(layers) for d in out.deepstack]).float()
+        flat = torch.cat(out.tokens + [d[k] for k in range(layers) for d in out.deepstack]).to(dtype)
         host, event = to_host(flat)
         return PendingLLM(host, event, [t.shape[0] for t in out.tokens], layers, batch.grid_thw.tolist())
 
