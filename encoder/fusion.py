@@ -44,3 +44,12 @@ def concat_linears(*linears: nn.Linear) -> nn.Linear:
     if has_bias:
         new.bias.copy_(torch.cat([lin.bias for lin in linears]))
     return new
+
+
+def pad_hidden(fc1: nn.Linear, fc2: nn.Linear, multiple: int) -> tuple[nn.Linear, nn.Linear] | None:
+    """An MLP's (in, out) linears with the hidden width between them zero-padded to a multiple; None when
+    it is one already (the caller keeps its module)."""
+    width = round_up(fc1.out_features, multiple)
+    if width == fc1.out_features:
+        return None
+    return pad_linear(fc1, out_features=width), pad_linear(fc2, in_features=width)

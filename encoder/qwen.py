@@ -15,7 +15,7 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import Qwen25VLVisionConfig, VisionConfig
-from .fusion import concat_linears, pad_linear, round_up
+from .fusion import concat_linears, pad_hidden, pad_linear, round_up
 from .geometry import VisionMeta, compute_meta, count_windows
 from .kernels import add_norm, quick_gelu, rotary_qkv, silu_mul
 from .tower import Bounds, TowerOutput, frames_dummy, segment_means
@@ -63,11 +63,8 @@ class QuickGeluMLP(nn.Module):
 
     def fused(self, multiple: int) -> QuickGeluMLP:
         """The same MLP with its hidden width zero-padded to a multiple (exact: act(0) = 0)."""
-        width = round_up(self.fc1.out_features, multiple)
-        if width == self.fc1.out_features:
-            return self
-        fc1, fc2 = pad_linear(self.fc1, out_features=width), pad_linear(self.fc2, in_features=width)
-        return QuickGeluMLP(fc1.in_features, width, layers=(fc1, fc2))
+        pair = pad_hidden(self.fc1, self.fc2, multiple)
+        return self if pair is None else QuickGeluMLP(0, 0, layers=pair)
 
 
 class SwiGLUMLP(nn.Module):

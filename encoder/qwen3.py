@@ -23,7 +23,7 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import Qwen3VLVisionConfig
-from .fusion import pad_linear, round_up
+from .fusion import pad_hidden
 from .geometry import VisionMeta, compute_meta
 from .kernels import add_norm
 from .qwen import VisionAttention, norm_args
@@ -80,12 +80,8 @@ class GeluMLP(nn.Module):
     def fused(self, multiple: int) -> GeluMLP:
         """A new MLP with the hidden width zero-padded to a multiple (self when it is one already).
         Exact: act(0) = 0 for every supported activation (`encoder.fusion`)."""
-        width = round_up(self.linear_fc1.out_features, multiple)
-        if width == self.linear_fc1.out_features:
-            return self
-        fc1 = pad_linear(self.linear_fc1, out_features=width)
-        fc2 = pad_linear(self.linear_fc2, in_features=width)
-        return GeluMLP(fc1.in_features, width, self.act, layers=(fc1, fc2))
+        pair = pad_hidden(self.linear_fc1, self.linear_fc2, multiple)
+        return self if pair is None else GeluMLP(0, 0, self.act, layers=pair)
 
 
 class Qwen3VisionBlock(nn.Module):

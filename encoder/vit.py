@@ -31,7 +31,7 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import ClipVisionConfig, SiglipVisionConfig, VitVisionConfig
-from .fusion import concat_linears, pad_linear, round_up
+from .fusion import concat_linears, pad_hidden
 from .kernels import add_norm, quick_gelu
 from .qwen import norm_args
 from .tower import Bounds, TowerOutput
@@ -58,11 +58,8 @@ class VitMLP(nn.Module):
 
     def fused(self, multiple: int) -> VitMLP:
         """The same MLP, hidden width zero-padded to a multiple (exact: every activation has act(0) = 0)."""
-        width = round_up(self.fc1.out_features, multiple)
-        if width == self.fc1.out_features:
-            return self
-        fc1, fc2 = pad_linear(self.fc1, out_features=width), pad_linear(self.fc2, in_features=width)
-        return VitMLP(fc1.in_features, width, self.act, layers=(fc1, fc2))
+        pair = pad_hidden(self.fc1, self.fc2, multiple)
+        return self if pair is None else VitMLP(0, 0, self.act, layers=pair)
 
 
 class VitAttention(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -34,3 +35,10 @@ def random_batch(grids: list[list[int]], patch_dim: int, seed: int) -> encoder.P
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def bf16_twin(fp32: encoder.VisionEncoder) -> encoder.VisionEncoder:
+    """The same encoder with a bfloat16 copy of its tower (GPU tests compare the two)."""
+    enc = copy.copy(fp32)
+    enc.model = copy.deepcopy(fp32.model).to(torch.bfloat16)
+    return enc

@@ -3,11 +3,9 @@ every capturable attention backend, padding and capture cost. Random weights (th
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from graph_cases import rel_err
+from graph_cases import bf16_twin, rel_err
 from images_util import encode, random_image
 
 import encoder
@@ -27,9 +25,7 @@ def fp32(request):
 
 @pytest.fixture(scope="module")
 def bf16(fp32):
-    enc = copy.copy(fp32)
-    enc.model = copy.deepcopy(fp32.model).to(torch.bfloat16)
-    return enc
+    return bf16_twin(fp32)
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +99,7 @@ def test_images_end_to_end(graph, fp32):
 
 @pytest.mark.parametrize("backend", [n for n, why in available_backends().items() if why is None])
 def test_every_available_backend_captures(bf16, backend):
-    enc = copy.copy(bf16)
-    enc.model = copy.deepcopy(bf16.model)
+    enc = bf16_twin(bf16)
     enc.model.set_backend(get_backend(backend))
     g = workspace.GraphEncoder(enc, buckets=image_count_table([1, 4, 16], enc.config.num_patches))
     batch = random_batch(enc, 6, seed=6)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
-from graph_cases import random_batch, rel_err, split_grids
+from graph_cases import bf16_twin, random_batch, rel_err, split_grids
 
 import encoder
 import workspace
@@ -24,9 +23,7 @@ def fp32():
 
 @pytest.fixture(scope="module")
 def bf16(fp32):
-    enc = copy.copy(fp32)
-    enc.model = copy.deepcopy(fp32.model).to(torch.bfloat16)
-    return enc
+    return bf16_twin(fp32)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +94,7 @@ def test_padding_and_repeatability(graph, bf16):
 
 @pytest.mark.parametrize("backend", [n for n, why in available_backends().items() if why is None])
 def test_every_available_backend_captures(bf16, backend):
-    enc = copy.copy(bf16)
-    enc.model = copy.deepcopy(bf16.model)
+    enc = bf16_twin(bf16)
     enc.model.set_backend(encoder.attention.get_backend(backend))
     g = workspace.GraphEncoder(enc, buckets="256,1024,4096")
     batch = random_batch([[1, 16, 16], [1, 20, 28], [1, 2, 2]], enc.config.patch_dim, seed=6)

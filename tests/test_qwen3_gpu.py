@@ -3,12 +3,11 @@ eager on random splits (tokens and every DeepStack feature), every attention bac
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
-from graph_cases import random_batch, rel_err, split_grids
+from graph_cases import bf16_twin, random_batch, rel_err, split_grids
 
 import encoder
 import workspace
@@ -26,9 +25,7 @@ def fp32():
 
 @pytest.fixture(scope="module")
 def bf16(fp32):
-    enc = copy.copy(fp32)
-    enc.model = copy.deepcopy(fp32.model).to(torch.bfloat16)
-    return enc
+    return bf16_twin(fp32)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +79,7 @@ def test_outputs_are_written_every_replay(graph, bf16):
 
 @pytest.mark.parametrize("backend", [n for n, why in available_backends().items() if why is None])
 def test_every_available_backend_captures(bf16, backend):
-    enc = copy.copy(bf16)
-    enc.model = copy.deepcopy(bf16.model)
+    enc = bf16_twin(bf16)
     enc.model.set_backend(get_backend(backend))
     graph = workspace.GraphEncoder(enc, buckets="256,4096")
     rng = random.Random(2)
@@ -95,8 +91,7 @@ def test_every_available_backend_captures(bf16, backend):
 def test_qwen35_without_deepstack_and_12_heads():
     """Qwen3.5's tower (no DeepStack; 12 heads in the 0.8B: not a power of two) through graph replay."""
     fp32 = encoder.load("qwen3.5-0.8b", device="cuda", dtype=torch.float32)
-    enc = copy.copy(fp32)
-    enc.model = copy.deepcopy(fp32.model).to(torch.bfloat16)
+    enc = bf16_twin(fp32)
     graph = workspace.GraphEncoder(enc, buckets="256,1024")
     batch = random_batch([[1, 14, 14], [1, 8, 20], [1, 40, 40]], fp32.config.patch_dim, seed=9)  # last one eager
     for o, r in zip(graph.encode_llm(batch), fp32.encode_llm(batch), strict=True):
