@@ -5,7 +5,7 @@ resolution, `encoder.vit`); poolings "none", "mean", "model", "mean-l2", "model-
 """
 
 from .api import POOLINGS, VisionEncoder, load
-from .config import PRESETS, ClipVisionConfig, Qwen2VLVisionConfig, Qwen25VLVisionConfig, SiglipVisionConfig
+from .config import ClipVisionConfig, Qwen2VLVisionConfig, Qwen3VLVisionConfig, Qwen25VLVisionConfig, SiglipVisionConfig
 from .errors import (
     BackendUnavailableError,
     CheckpointError,
@@ -18,6 +18,7 @@ from .errors import (
 )
 from .patch_batch import PatchBatch
 from .preprocess_vit import VitPreprocessConfig
+from .presets import PRESETS
 
 __all__ = [
     "POOLINGS",
@@ -34,6 +35,7 @@ __all__ = [
     "PatchBatch",
     "Qwen2VLVisionConfig",
     "Qwen25VLVisionConfig",
+    "Qwen3VLVisionConfig",
     "SiglipVisionConfig",
     "VisionEncoder",
     "VitPreprocessConfig",

@@ -20,14 +20,16 @@ import torch
 
 from .attention import available_backends, default_backend_name, get_backend
 from .checkpoint import load_config, load_weights, read_json
-from .config import ClipVisionConfig, SiglipVisionConfig, VisionConfig, preset
+from .config import ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
 from .errors import ConfigError, InvalidArgumentError
 from .geometry import frames_of
 from .outputs import LLMOutput
 from .patch_batch import PatchBatch
 from .preprocess import PreprocessConfig, preprocess
 from .preprocess_vit import VitPreprocessConfig, check_matches_model, preprocess_vit
+from .presets import preset
 from .qwen import QwenVisionTower
+from .qwen3 import Qwen3VisionTower
 from .tower import TowerOutput
 from .vit import VitTower, build_vit_tower
 
@@ -269,8 +271,6 @@ def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
         return VitPreprocessConfig.from_hf_dict(raw, config)
     if raw is not None:
         return PreprocessConfig.from_hf_dict(raw)
-    from .config import Qwen3VLVisionConfig
-
     if isinstance(config, Qwen3VLVisionConfig):
         # transformers has no Qwen3-VL defaults (its Qwen2VLImageProcessor defaults are Qwen2-VL's:
         # patch 14, CLIP mean/std); these are the published Qwen3-VL / Qwen3.5 preprocessor_config.json
@@ -287,8 +287,9 @@ def default_backend(device: torch.device, dtype: torch.dtype, config: VisionConf
     """The first backend of the model's preference that is usable here and runs this dtype and head
     dimension (FA4 is bf16/fp16 only: a float32 model on CUDA gets the next one)."""
     if device.type == "cuda":
+        usable = available_backends()
         for name in config.attention_preference:
-            if available_backends().get(name, "missing") is None:
+            if usable.get(name, "missing") is None:
                 backend = get_backend(name)
                 if backend.supports(device, dtype, config.head_dim) is None:
                     return backend
@@ -296,10 +297,6 @@ def default_backend(device: torch.device, dtype: torch.dtype, config: VisionConf
 
 
 def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
-    # imported here while the module's imports are being reworked (only this function is ours to edit)
-    from .config import Qwen3VLVisionConfig
-    from .qwen3 import Qwen3VisionTower
-
     if isinstance(config, Qwen3VLVisionConfig):
         return Qwen3VisionTower(config, backend)
     return build_vit_tower(config, backend) if is_fixed_resolution(config) else QwenVisionTower(config, backend)

@@ -20,8 +20,9 @@ from PIL import Image
 import encoder
 import workspace
 from encoder import CheckpointError, ConfigError, InvalidArgumentError
-from encoder.config import ClipVisionConfig, SiglipVisionConfig, preset
+from encoder.config import ClipVisionConfig, SiglipVisionConfig
 from encoder.preprocess_vit import VitPreprocessConfig, preprocess_config_from_dump, preprocess_vit
+from encoder.presets import preset
 from workspace.graph_encoder import fixed_table, image_count_table
 
 # tiny towers: CLIP 4x4 patches + class token; SigLIP 60 px with 14 px patches (the last 4 px unused,

@@ -16,7 +16,7 @@ import encoder
 from deployments.batch import EncoderActor, decode_batch, output_schema
 from deployments.batch.dataset import CPU_BUCKETS, deepstack_layers, preprocess_config_for
 from deployments.batch.job import JobConfig, _resolve_part_rows
-from encoder.config import PRESETS, preset
+from encoder.presets import PRESETS, preset
 
 pytest_plugins = ["tests.serve_fixtures"]
 

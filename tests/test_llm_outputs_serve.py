@@ -21,8 +21,8 @@ from images_util import encode, random_array, random_image
 import encoder
 from deployments.llm_outputs import from_wire, to_wire
 from deployments.openai_api import RequestError, embeddings_body, parse_embedding_request
-from encoder.config import PRESETS
 from encoder.errors import EncoderError
+from encoder.presets import PRESETS
 
 pytest_plugins = ["tests.serve_fixtures"]
 

@@ -29,8 +29,9 @@ from safetensors.torch import load_file, save_file
 
 import encoder
 from encoder import CheckpointError
-from encoder.config import PRESETS, Qwen3VLVisionConfig, from_hf_dict
+from encoder.config import Qwen3VLVisionConfig, from_hf_dict
 from encoder.geometry import frames_of
+from encoder.presets import PRESETS
 
 # (t, h, w) in patches: smaller and larger than the 8 x 8 position grid, non-square both ways, the
 # minimum, and a two-frame clip (each frame its own segment, the position table repeated per frame)

@@ -215,12 +215,12 @@ class GraphRunner:
         pooled = torch.stack(out_pooled) if out_pooled and out_pooled[0] is not None else None
         return RunOutput(out_tokens, means, pooled, out_deep)
 
-    def _split(self, out: TowerOutput, rows: int, sizes: list[int]):
-        # copy out now: the next replay (of any bucket) may reuse the shared pool
+    def _split(self, out: TowerOutput, rows: int, sizes: list[int], copy: bool = True):
+        # bucket outputs are copied out now: the next replay (of any bucket) may reuse the shared pool;
+        # an eager run's outputs are its own (copy=False)
         n_tok = rows // self.tower.merge_unit
-        tokens = list(torch.split(out.tokens[:n_tok].clone(), sizes))
-        deep = [list(torch.split(d[:n_tok].clone(), sizes)) for d in out.deepstack]
-        return tokens, deep
+        take = (lambda t: t[:n_tok].clone()) if copy else (lambda t: t[:n_tok])
+        return list(torch.split(take(out.tokens), sizes)), [list(torch.split(take(d), sizes)) for d in out.deepstack]
 
     def _run_bucket(self, pack: Pack, pixel_values, grid, starts):
         idx = pack.indices
@@ -258,6 +258,6 @@ class GraphRunner:
         frames = frames_of(torch.tensor(sub)).to(self.device)
         out = self.tower.forward_packed(src, frames, self.tower.batch_bounds(sub))
         self.stats.eager_runs += 1
-        tokens, deep = self._split(out, src.shape[0], [self._tokens(thw) for thw in sub])
+        tokens, deep = self._split(out, src.shape[0], [self._tokens(thw) for thw in sub], copy=False)
         means = [p.float().mean(0) for p in tokens]  # per image (an image may span several frames)
         return tokens, means, out.pooled, deep

@@ -50,11 +50,12 @@ import encoder
 from encoder.api import POOLINGS, is_fixed_resolution, vector_pooling
 from encoder.api import preprocess_config_for as model_preprocess_config
 from encoder.checkpoint import load_config
-from encoder.config import VisionConfig, preset
+from encoder.config import VisionConfig
 from encoder.errors import InvalidArgumentError
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import PreprocessConfig, load_image, patchify
 from encoder.preprocess_vit import num_patches_for, resize_image_for
+from encoder.presets import preset
 from workspace.buckets import BucketKey, BucketTable
 from workspace.graph_encoder import GraphEncoder, fixed_table, variable_table
 

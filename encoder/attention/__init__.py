@@ -26,13 +26,13 @@ DEFAULT_BACKEND = "sdpa"
 CUDA_PREFERENCE = ("triton", "torch_varlen", "sdpa")
 
 
-def default_backend_name(device_type: str, preference: tuple[str, ...] = CUDA_PREFERENCE) -> str:
-    """The backend `load()` uses when none is named: the reference on CPU, the first usable one of
-    `preference` on CUDA (a model's config may give its own: `attention_preference`)."""
+def default_backend_name(device_type: str) -> str:
+    """The reference on CPU, the first usable of `CUDA_PREFERENCE` on CUDA (`encoder.api.default_backend`
+    first tries the model's own `attention_preference`)."""
     if device_type != "cuda":
         return DEFAULT_BACKEND
     usable = available_backends()
-    return next((n for n in preference if usable.get(n, "missing") is None), DEFAULT_BACKEND)
+    return next((n for n in CUDA_PREFERENCE if usable.get(n, "missing") is None), DEFAULT_BACKEND)
 
 
 def register(name: str, target: str) -> None:
