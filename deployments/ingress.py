@@ -41,33 +41,20 @@ from encoder.preprocess_vit import preprocess_config_from_dump
 
 from .batching import ContinuousBatcher
 from .config import ENCODER_NAME, AppArgs
-from .limits import (
-    Admission,
+from .errors import ErrorCode, RequestError, classify, root_cause, with_index
+from .inputs import (
     Opened,
-    call_with_retries,
-    check_content_type,
-    check_request_patches,
     finish_input,
     harden_pillow,
     ingress_preprocess_config,
-    open_input,
-    read_body,
-    rss_bytes,
-)
-from .llm_outputs import check_dtype, handle_item
-from .metrics import IngressMetrics, RecentTimings
-from .openai_api import (
-    EmbeddingRequest,
-    RequestError,
-    api,
-    classify,
-    embeddings_body,
-    error_response,
     is_url,
-    parse_embedding_request,
-    root_cause,
-    with_index,
+    open_input,
+    source_pixels,
 )
+from .limits import Admission, call_with_retries, check_content_type, check_request_patches, read_body
+from .llm_outputs import check_dtype, handle_item
+from .metrics import IngressMetrics, RecentTimings, rss_bytes
+from .openai_api import EmbeddingRequest, api, embeddings_body, error_response, parse_embedding_request
 from .security import ApiKeyAuth, UrlFetcher
 
 logger = logging.getLogger("ray.serve")
@@ -131,17 +118,6 @@ def remote_call(method, *args, **kwargs):
     return contextvars.copy_context().run(call)
 
 
-def _outcome(status: int) -> str:
-    """Metrics outcome of an HTTP status."""
-    if status < 400:
-        return "ok"
-    if status in (429, 503):
-        return "overloaded"
-    if status in (408, 504):
-        return "timeout"
-    return "client_error" if status < 500 else "server_error"
-
-
 _ANSWER_COUNTS = {
     "client_error": "client_errors",
     "overloaded": "rejected",
@@ -183,14 +159,6 @@ def _small(x: Any) -> bool:
     if isinstance(x, bytes | bytearray | memoryview | str):
         return len(x) <= _INLINE_DECODE_BYTES
     return isinstance(x, np.ndarray) and x.nbytes <= _INLINE_DECODE_BYTES
-
-
-def _source_pixels(o: Opened) -> int:
-    """Pixels of the opened input before resizing (a lazily opened PIL image knows its size)."""
-    if isinstance(o.image, np.ndarray):
-        return int(o.image.shape[0] * o.image.shape[1])
-    width, height = getattr(o.image, "size", (1 << 16, 1 << 16))
-    return int(width * height)
 
 
 # Encoder requests with more pixel bytes than this go by reference (object store), not inline over gRPC.
@@ -346,7 +314,7 @@ class VisionIngress:
             o = opened(0, images[0])
             if max_patches is not None:
                 check_request_patches(o.patches, max_patches)
-            if _source_pixels(o) <= _INLINE_DECODE_PIXELS:
+            if source_pixels(o) <= _INLINE_DECODE_PIXELS:
                 opened_at = time.perf_counter()
                 out = finished(0, o)
                 self._timings["inline_decode"].add(open=opened_at - started, decode=time.perf_counter() - opened_at)
@@ -475,17 +443,18 @@ class VisionIngress:
         except EncoderError as e:
             raise root_cause(e) from None  # the replica's own exception, not Ray's wrapper
         except Exception as e:
-            outcome = _outcome(classify(e)[0])
+            outcome = classify(e).error.outcome
             raise
         finally:
             self._admission.leave()
             self.metrics.request("handle", outcome, n_images, patches, time.perf_counter() - started)
 
     # -- HTTP ------------------------------------------------------------------------------------------------
-    def _error(self, exc: BaseException) -> Response:
-        response = error_response(exc, self.args.retry_after_s)
-        self._counts[_ANSWER_COUNTS[_outcome(response.status_code)]] += 1
-        return response
+    def _error(self, exc: BaseException) -> tuple[Response, str]:
+        """The error answer and its metrics outcome."""
+        outcome = classify(exc).error.outcome
+        self._counts[_ANSWER_COUNTS[outcome]] += 1
+        return error_response(exc, self.args.retry_after_s), outcome
 
     @api.post("/v1/embeddings", openapi_extra=_OPENAPI_BODY)
     async def embeddings(self, request: Request) -> Response:
@@ -494,10 +463,10 @@ class VisionIngress:
             self._auth.check(request.headers.get("authorization"))
         except RequestError as e:
             self.metrics.request("http", "unauthorized", 0, 0, time.perf_counter() - started)
-            return self._error(e)
+            return self._error(e)[0]
         if not self._admission.try_enter():
             self.metrics.request("http", "overloaded", 0, 0, time.perf_counter() - started)
-            return self._error(self._overloaded())
+            return self._error(self._overloaded())[0]
         n_images, patches = 0, 0
         reading = True
         timer = asyncio.timeout(self.args.request_timeout_s)
@@ -521,12 +490,10 @@ class VisionIngress:
                 if reading:  # the client did not finish sending its body in time
                     e = RequestError(
                         f"the request body did not arrive within {self.args.request_timeout_s:g}s",
-                        408, "request_timeout", None,
+                        ErrorCode.REQUEST_TIMEOUT, None,
                     )  # fmt: skip
-            response = self._error(e)
-            self.metrics.request(
-                "http", _outcome(response.status_code), n_images, patches, time.perf_counter() - started
-            )
+            response, outcome = self._error(e)
+            self.metrics.request("http", outcome, n_images, patches, time.perf_counter() - started)
             return response
         finally:
             self._admission.leave()
@@ -535,12 +502,12 @@ class VisionIngress:
         a = self.args
         if body.model is not None and body.model != self._model_name:
             raise RequestError(
-                f"model {body.model!r} is not served here; available: {self._model_name!r}", 404,
-                "model_not_found", "model",
+                f"model {body.model!r} is not served here; available: {self._model_name!r}",
+                ErrorCode.MODEL_NOT_FOUND, "model",
             )  # fmt: skip
         if len(inputs) > a.max_request_images:
             raise RequestError(
-                f"{len(inputs)} images in one request; the limit is {a.max_request_images}", 413, "too_many_images"
+                f"{len(inputs)} images in one request; the limit is {a.max_request_images}", ErrorCode.TOO_MANY_IMAGES
             )
         info = await self.info()
         pooling = body.pooling or info["default_pooling"]
@@ -548,12 +515,12 @@ class VisionIngress:
         if dim is None:
             raise RequestError(
                 f"pooling {pooling!r} is not supported by this model; supported: {', '.join(info['output_dims'])}",
-                param="pooling", code="invalid_pooling",
+                ErrorCode.INVALID_POOLING, "pooling",
             )  # fmt: skip
         if body.dimensions is not None and body.dimensions != dim:
             raise RequestError(
                 f"dimensions={body.dimensions} is not supported; this model outputs {dim} with pooling={pooling}",
-                param="dimensions", code="invalid_dimensions",
+                ErrorCode.INVALID_DIMENSIONS, "dimensions",
             )  # fmt: skip
         decode_at = time.perf_counter()
         arrays = await self._prepare(inputs, info["preprocess_config"], "input", a.max_request_patches)
@@ -582,7 +549,7 @@ class VisionIngress:
         try:
             self._auth.check(request.headers.get("authorization"))
         except RequestError as e:
-            return self._error(e)
+            return self._error(e)[0]
         return JSONResponse(
             {
                 "object": "list",

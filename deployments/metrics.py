@@ -6,6 +6,7 @@ every method is cheap enough for the per-request path (a few dict operations).
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import deque
 
@@ -140,3 +141,12 @@ class ReplicaMetrics:
         for budget, n in stats["replays"].items():
             if n != before.get(budget, 0):
                 self.replays.inc(n - before.get(budget, 0), tags={"bucket": str(budget)})
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc/self/statm; 0 where it does not exist)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

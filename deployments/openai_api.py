@@ -1,15 +1,13 @@
-"""The OpenAI-shaped HTTP surface: request schema, image-string decoding, response bodies, and the
-error mapping (every client mistake becomes a 4xx OpenAI error object, never a 500).
+"""The OpenAI-shaped HTTP surface: request schema, response bodies, and error answers (every client mistake
+becomes a 4xx OpenAI error object, never a 500; which status and type is `deployments.errors`' table).
 
 `api` is the FastAPI app the ingress deployment serves (`serve.ingress(api)`); its exception
 handlers live here, its routes on `deployments.ingress.VisionIngress`.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the request model from route signatures.
-import binascii
 import logging
 import math
-import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -19,20 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from encoder.errors import (
-    ConfigError,
-    EncoderError,
-    ImageDecodeError,
-    ImageTooLargeError,
-    InvalidArgumentError,
-    InvalidImageError,
-)
-from encoder.preprocess import PreprocessConfig
+from encoder.errors import EncoderError
 
+from .errors import ErrorCode, RequestError, classify, openai_type, root_cause
 from .llm_outputs import EMBEDDING_DTYPES, to_wire
 
 logger = logging.getLogger("ray.serve")
@@ -41,94 +30,39 @@ logger = logging.getLogger("ray.serve")
 # ------------------------------------------------------------------------------------------ errors
 
 
-class RequestError(InvalidArgumentError):
-    """A client mistake the ingress detects itself (bad base64, data URL, media type, limits, API key)."""
-
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request", param: str | None = "input"):
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
-
-
-# Errors of a call to an encoder replica that say the replica (or its node) went away, not that the request
-# was bad: the ingress retries these (encoding is idempotent); when retries run out they answer 503.
-UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
-    RayActorError,  # ActorDiedError, ActorUnavailableError
-    WorkerCrashedError,
-    NodeDiedError,
-    ObjectLostError,
-    ReplicaUnavailableError,
-    DeploymentUnavailableError,
-)
-
-
-def root_cause(exc: BaseException) -> BaseException:
-    """The user exception inside a Ray task error raised by a replica (Ray keeps it as `.cause`)."""
-    seen = 0
-    while isinstance(getattr(exc, "cause", None), BaseException) and seen < 8:
-        exc, seen = exc.cause, seen + 1
-    return exc
-
-
-def classify(exc: BaseException) -> tuple[int, str, str, str | None]:
-    """(HTTP status, OpenAI error type, code, param) for an exception."""
-    exc = root_cause(exc)
-    if isinstance(exc, RequestError):
-        return exc.status, _error_type(exc.status), exc.code, exc.param
-    if isinstance(exc, ImageTooLargeError):
-        return 413, "invalid_request_error", "image_too_large", "input"
-    if isinstance(exc, ImageDecodeError | InvalidImageError):
-        return 400, "invalid_request_error", "invalid_image", "input"
-    if isinstance(exc, InvalidArgumentError):
-        return 400, "invalid_request_error", "invalid_argument", None
-    if isinstance(exc, EncoderError) and not isinstance(exc, ConfigError):
-        return 400, "invalid_request_error", "invalid_request", None
-    if isinstance(exc, BackPressureError):
-        status = exc.status_code if exc.status_code in (429, 503) else 503
-        return status, _error_type(status), "overloaded", None
-    if isinstance(exc, UNAVAILABLE_ERRORS):
-        return 503, "server_error", "encoder_unavailable", None
-    if isinstance(exc, TimeoutError):
-        return 504, "server_error", "timeout", None
-    return 500, "server_error", "internal_error", None
-
-
-def _error_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 429:
-        return "rate_limit_error"
-    return "invalid_request_error" if status < 500 else "server_error"
-
-
 def error_body(message: str, type_: str, code: str | None, param: str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+_OVER_CAPACITY = "the service is over capacity; retry after the time in the Retry-After header"
+# what a server-side answer says (its cause's type is appended, never its text: it may hold internals)
 _MESSAGES = {
-    "overloaded": "the service is over capacity; retry after the time in the Retry-After header",
-    "encoder_unavailable": "no encoder replica could take the request; retry after the time in the Retry-After header",
-    "timeout": "the request took longer than the service's time limit",
+    ErrorCode.RATE_LIMITED: _OVER_CAPACITY,
+    ErrorCode.OVERLOADED: _OVER_CAPACITY,
+    ErrorCode.ENCODER_UNAVAILABLE: "no encoder replica could take the request; retry after the time in the "
+    "Retry-After header",
+    ErrorCode.TIMEOUT: "the request took longer than the service's time limit",
 }
 
 
 def error_response(exc: BaseException, retry_after_s: float | None = 1.0) -> JSONResponse:
     """The OpenAI error object for `exc`, with `Retry-After` on 429 / 503 and `WWW-Authenticate` on 401."""
-    status, type_, code, param = classify(exc)
+    error, param = classify(exc)
     cause = root_cause(exc)
-    if status < 500 and status != 429:
+    if error.status < 500 and error is not ErrorCode.RATE_LIMITED:
         message = str(cause)
-    elif code in _MESSAGES:
-        message = f"{_MESSAGES[code]} ({type(cause).__name__})" if code != "timeout" else _MESSAGES[code]
+    elif error in _MESSAGES:
+        message = _MESSAGES[error] if error is ErrorCode.TIMEOUT else f"{_MESSAGES[error]} ({type(cause).__name__})"
     else:
         message = f"internal error: {type(cause).__name__}"
-    if status == 500:
+    if error is ErrorCode.INTERNAL_ERROR:
         logger.exception("request failed", exc_info=exc)
     headers = {}
-    if status in (429, 503) and retry_after_s is not None:
+    if error.retry_after and retry_after_s is not None:
         headers["Retry-After"] = str(max(0, math.ceil(retry_after_s)))
-    if status == 401:
+    if error.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, error.type, error.code, param), status_code=error.status, headers=headers)
 
 
 def with_index(exc: EncoderError, where: str) -> EncoderError:
@@ -141,81 +75,6 @@ def with_index(exc: EncoderError, where: str) -> EncoderError:
         return exc
     new.__cause__ = exc
     return new
-
-
-# ------------------------------------------------------------------------------------------ inputs
-
-
-def decode_base64(text: str) -> bytes:
-    try:
-        return pybase64.b64decode(text, validate=True)  # SIMD: ~60x the standard library's speed
-    except (binascii.Error, ValueError):
-        pass
-    try:  # tolerate line breaks (MIME-style base64), nothing else
-        return pybase64.b64decode("".join(text.split()), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise RequestError(f"invalid base64 image data: {e}", code="invalid_base64") from None
-
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,15}://")
-
-
-def is_url(text: str) -> bool:
-    """`scheme://...`: never base64 (':' and '/' after letters cannot start a base64 image)."""
-    return bool(_URL.match(text))
-
-
-def image_too_large(size: int, limit: int, what: str = "image") -> RequestError:
-    return RequestError(f"{what} is {size} bytes, over the limit of {limit} bytes", 413, "image_too_large")
-
-
-def parse_image_string(text: str, max_bytes: int | None = None) -> tuple[bytes, str | None]:
-    """A data URL (`data:image/png;base64,...`) or bare base64 -> (encoded image bytes, declared media type).
-
-    `max_bytes`: the encoded-image limit, checked from the base64 length before decoding and exactly after.
-    URLs are not handled here (RequestError 400); see `deployments.security.UrlFetcher`.
-    """
-    media = None
-    if text[:5].lower() == "data:":
-        header, comma, payload = text.partition(",")
-        if not comma:
-            raise RequestError("malformed data URL: no ',' before the data", code="invalid_data_url")
-        if len(header) > 256:
-            raise RequestError("malformed data URL: header longer than 256 characters", code="invalid_data_url")
-        media, *params = (p.strip().lower() for p in header[5:].split(";"))
-        if "base64" not in params:
-            message = "data URLs must be base64-encoded ('data:image/png;base64,...')"
-            raise RequestError(message, code="invalid_data_url")
-        if media and not media.startswith("image/"):
-            raise RequestError(f"unsupported media type {media!r}; send an image", 415, "unsupported_media_type")
-        text = payload
-    elif is_url(text):
-        scheme = text.split(":", 1)[0].lower()
-        raise RequestError(
-            f"{scheme} image URLs are not fetched by this service; send a data URL or base64 image",
-            code="invalid_image_url",
-        )
-    if max_bytes is not None and (len(text) * 3) // 4 > max_bytes + max_bytes // 16 + 16:  # surely over
-        raise image_too_large((len(text) * 3) // 4, max_bytes, "image (estimated from its base64 length)")
-    data = decode_base64(text)
-    if max_bytes is not None and len(data) > max_bytes:
-        raise image_too_large(len(data), max_bytes)
-    return data, media or None
-
-
-def decode_image_string(text: str) -> bytes:
-    """A data URL (`data:image/png;base64,...`) or bare base64 -> the encoded image bytes."""
-    return parse_image_string(text)[0]
-
-
-def prepare_image(x: Any, pp: PreprocessConfig) -> np.ndarray:
-    """One input (str, bytes, PIL image, uint8 array) -> uint8 [H, W, 3] at the model's resize size.
-
-    The header checks of `deployments.limits.open_input` (format allowlist: 415; pixel limit: 413), then
-    the decode and resize."""
-    from .limits import finish_input, open_input
-
-    return finish_input(open_input(x, pp), pp)
 
 
 # ------------------------------------------------------------------------------------------ HTTP schema
@@ -252,11 +111,11 @@ def schema_error(errors: list[dict]) -> RequestError:
 
     message = "; ".join(f"{where(e) or 'body'}: {e.get('msg')}" for e in errors) or "invalid request body"
     loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
-    return RequestError(message, 422, "invalid_schema", loc[0] if loc else None)
+    return RequestError(message, ErrorCode.INVALID_SCHEMA, loc[0] if loc else None)
 
 
 def embedding_dtype_error(message: str) -> RequestError:
-    return RequestError(message, 400, "invalid_embedding_dtype", "embedding_dtype")
+    return RequestError(message, ErrorCode.INVALID_EMBEDDING_DTYPE, "embedding_dtype")
 
 
 def parse_embedding_request(body: bytes) -> EmbeddingRequest:
@@ -267,7 +126,7 @@ def parse_embedding_request(body: bytes) -> EmbeddingRequest:
         errors = e.errors(include_url=False, include_context=False, include_input=False)
         if any(x.get("type") == "json_invalid" for x in errors):
             detail = errors[0].get("msg", "").removeprefix("Invalid JSON: ")
-            raise RequestError(f"the request body is not valid JSON: {detail}", 400, "invalid_json", None) from None
+            raise RequestError(f"the request body is not valid JSON: {detail}", ErrorCode.INVALID_JSON, None) from None
         if all(tuple(x.get("loc", ())) == ("embedding_dtype",) for x in errors):
             raise embedding_dtype_error(
                 f"embedding_dtype must be one of {', '.join(EMBEDDING_DTYPES)} (a string)"
@@ -332,6 +191,13 @@ def embeddings_body(outputs: list, encoding_format: str, model: str, patches: in
     return b"".join(pieces)
 
 
+# Starlette's own HTTP errors (routing) by status; another status keeps it, with code "http_error".
+_STARLETTE_ERRORS = {
+    400: ErrorCode.INVALID_REQUEST,
+    404: ErrorCode.ROUTE_NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+}
+
 api = FastAPI(title="Vision encoding service", version="0.1.0")
 
 
@@ -344,18 +210,17 @@ async def _encoder_error(request: Request, exc: EncoderError) -> JSONResponse:
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
-        return JSONResponse(error_body("the request body is not valid JSON", "invalid_request_error",
-                                       "invalid_json", None), status_code=400)  # fmt: skip
+        return error_response(RequestError("the request body is not valid JSON", ErrorCode.INVALID_JSON, None))
     return error_response(schema_error(list(errors)))
 
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    message = f"{exc.detail} ({request.method} {request.url.path})"
+    error = _STARLETTE_ERRORS.get(exc.status_code)
+    type_, code = (error.type, error.code) if error is not None else (openai_type(exc.status_code), "http_error")
     return JSONResponse(
-        error_body(f"{exc.detail} ({request.method} {request.url.path})", _error_type(exc.status_code), code, None),
-        status_code=exc.status_code,
-        headers=getattr(exc, "headers", None),
+        error_body(message, type_, code, None), status_code=exc.status_code, headers=getattr(exc, "headers", None)
     )
 
 

@@ -16,7 +16,8 @@ import os
 from urllib.parse import urlsplit
 
 from .config import API_KEY_ENV, AppArgs
-from .openai_api import RequestError, image_too_large
+from .errors import ErrorCode, RequestError
+from .inputs import image_too_large
 
 # ------------------------------------------------------------------------------------------ API key
 
@@ -41,15 +42,17 @@ class ApiKeyAuth:
             return
         if not authorization:
             raise RequestError(
-                "missing API key: send the header 'Authorization: Bearer <key>'", 401, "missing_api_key", None
+                "missing API key: send the header 'Authorization: Bearer <key>'", ErrorCode.MISSING_API_KEY, None
             )
         scheme, _, token = authorization.strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise RequestError("malformed Authorization header: expected 'Bearer <key>'", 401, "invalid_api_key", None)
+            raise RequestError(
+                "malformed Authorization header: expected 'Bearer <key>'", ErrorCode.INVALID_API_KEY, None
+            )
         # Constant time in the key's length; the token's own length is the caller's to know.
         if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._key):
-            raise RequestError("incorrect API key", 401, "invalid_api_key", None)
+            raise RequestError("incorrect API key", ErrorCode.INVALID_API_KEY, None)
 
 
 # ------------------------------------------------------------------------------------------ image URLs
@@ -81,6 +84,8 @@ class UrlFetcher:
         max_bytes: int = 20 * 2**20,
     ):
         self.allowlist, self.schemes, self.timeout_s, self.max_bytes = allowlist, schemes, timeout_s, max_bytes
+        # one connection pool for the replica's life, created on the first fetch; it is never closed: the
+        # ingress replica's process ends with it
         self._client = None
 
     @classmethod
@@ -97,24 +102,24 @@ class UrlFetcher:
             scheme = url.split(":", 1)[0].lower()
             raise RequestError(
                 f"{scheme} image URLs are not fetched by this service; send a data URL or base64 image",
-                code="invalid_image_url",
+                ErrorCode.INVALID_IMAGE_URL,
             )
         try:
             parts = urlsplit(url)
             port = parts.port
         except ValueError as e:
-            raise RequestError(f"malformed image URL: {e}", code="invalid_image_url") from None
+            raise RequestError(f"malformed image URL: {e}", ErrorCode.INVALID_IMAGE_URL) from None
         scheme = parts.scheme.lower()
         if scheme not in self.schemes:
             raise RequestError(
                 f"{scheme} image URLs are not fetched (allowed schemes: {', '.join(self.schemes)})",
-                code="url_not_allowed",
+                ErrorCode.URL_NOT_ALLOWED,
             )
         if parts.username is not None or parts.password is not None:
-            raise RequestError("image URLs with credentials are not fetched", code="url_not_allowed")
+            raise RequestError("image URLs with credentials are not fetched", ErrorCode.URL_NOT_ALLOWED)
         host = (parts.hostname or "").rstrip(".")
         if not host or not host_allowed(host, port, self.allowlist):
-            raise RequestError(f"image URL host {host!r} is not on the allowlist", code="url_not_allowed")
+            raise RequestError(f"image URL host {host!r} is not on the allowlist", ErrorCode.URL_NOT_ALLOWED)
         return url
 
     async def fetch(self, url: str) -> tuple[bytes, str | None]:
@@ -134,7 +139,7 @@ class UrlFetcher:
                 async with self._client.stream("GET", url, headers={"Accept": "image/*"}) as r:
                     if r.status_code != 200:
                         raise RequestError(
-                            f"fetching the image URL answered HTTP {r.status_code}", code="image_fetch_failed"
+                            f"fetching the image URL answered HTTP {r.status_code}", ErrorCode.IMAGE_FETCH_FAILED
                         )
                     declared = r.headers.get("content-length")
                     if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
@@ -148,15 +153,10 @@ class UrlFetcher:
                     media = (r.headers.get("content-type") or "").split(";", 1)[0].strip().lower() or None
         except TimeoutError:
             raise RequestError(
-                f"fetching the image URL took longer than {self.timeout_s:g}s", code="image_fetch_failed"
+                f"fetching the image URL took longer than {self.timeout_s:g}s", ErrorCode.IMAGE_FETCH_FAILED
             ) from None
         except httpx.HTTPError as e:
             raise RequestError(
-                f"fetching the image URL failed: {type(e).__name__}", code="image_fetch_failed"
+                f"fetching the image URL failed: {type(e).__name__}", ErrorCode.IMAGE_FETCH_FAILED
             ) from None
         return b"".join(chunks), media
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None

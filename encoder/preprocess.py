@@ -157,7 +157,7 @@ def load_image(x: Any, cfg: PreprocessConfig = DEFAULT_CONFIG) -> Image.Image:
     if isinstance(x, bytes | bytearray | memoryview):
         img = _decode(bytes(x), cfg)
     elif isinstance(x, Image.Image):
-        _check_size(x.width, x.height, cfg)
+        check_image_size(x.width, x.height, cfg)
         img = _load(x)  # a lazily opened image may still hold undecoded (possibly truncated) data
     elif isinstance(x, np.ndarray):
         return _from_array(x, cfg)
@@ -170,13 +170,19 @@ def load_image(x: Any, cfg: PreprocessConfig = DEFAULT_CONFIG) -> Image.Image:
     return _to_rgb(_exif_transpose(img))
 
 
-def _check_size(width: int, height: int, cfg: PreprocessConfig) -> None:
+def check_image_size(width: int, height: int, cfg: PreprocessConfig) -> None:
+    """InvalidImageError for a zero side, ImageTooLargeError above `cfg.max_image_pixels` (header facts only)."""
     if width <= 0 or height <= 0:
         raise InvalidImageError(f"image has zero size ({width}x{height})")
     if width * height > cfg.max_image_pixels:
         raise ImageTooLargeError(
             f"image is {width}x{height} = {width * height} pixels, over the limit of {cfg.max_image_pixels}"
         )
+
+
+def canonical_format(pillow_format: str | None) -> str | None:
+    """The format name users know for a Pillow format (an MPO file is a JPEG)."""
+    return _FORMAT_ALIASES.get(pillow_format or "", pillow_format)
 
 
 def _decode(data: bytes, cfg: PreprocessConfig) -> Image.Image:
@@ -190,12 +196,11 @@ def _decode(data: bytes, cfg: PreprocessConfig) -> Image.Image:
         raise ImageTooLargeError(f"image refused as a decompression bomb: {e}") from e
     except Exception as e:  # Pillow plugins raise many types on garbage input
         raise ImageDecodeError(f"cannot identify image data ({len(data)} bytes): {e}") from e
-    fmt = _FORMAT_ALIASES.get(img.format or "", img.format)
-    if fmt not in cfg.allowed_formats:
+    if canonical_format(img.format) not in cfg.allowed_formats:
         raise ImageDecodeError(
             f"image format {img.format} is not allowed (allowed: {', '.join(sorted(cfg.allowed_formats))})"
         )
-    _check_size(img.width, img.height, cfg)  # before .load(): nothing big allocated yet
+    check_image_size(img.width, img.height, cfg)  # before .load(): nothing big allocated yet
     return _load(img)
 
 
@@ -238,7 +243,7 @@ def _from_array(arr: np.ndarray, cfg: PreprocessConfig) -> Image.Image:
         arr = arr[:, :, None]
     if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
         raise InvalidImageError(f"image arrays must be HxW or HxWxC with C in 1/3/4, got shape {arr.shape}")
-    _check_size(arr.shape[1], arr.shape[0], cfg)
+    check_image_size(arr.shape[1], arr.shape[0], cfg)
     # As an L / RGB / RGBA image, the PIL path gives the same bytes as transformers' array path (channel
     # repeat; float64 blend onto white, rounded), checked for every (value, alpha) pair in the tests.
     return _to_rgb(Image.fromarray(np.ascontiguousarray(arr[:, :, 0] if arr.shape[2] == 1 else arr)))

@@ -19,8 +19,9 @@ import torch
 from images_util import encode, random_array, random_image
 
 import encoder
+from deployments.errors import RequestError
 from deployments.llm_outputs import from_wire, to_wire
-from deployments.openai_api import RequestError, embeddings_body, parse_embedding_request
+from deployments.openai_api import embeddings_body, parse_embedding_request
 from encoder.errors import EncoderError
 from encoder.presets import PRESETS
 

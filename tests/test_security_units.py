@@ -16,17 +16,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from deployments.config import DEFAULT_IMAGE_FORMATS, AppArgs
-from deployments.limits import (
-    Admission,
-    call_with_retries,
-    check_content_type,
-    check_request_patches,
-    finish_input,
-    ingress_preprocess_config,
-    open_input,
-    rss_bytes,
-)
-from deployments.openai_api import RequestError, classify, error_response, parse_embedding_request
+from deployments.errors import ErrorCode, RequestError, classify
+from deployments.inputs import finish_input, ingress_preprocess_config, open_input
+from deployments.limits import Admission, call_with_retries, check_content_type, check_request_patches
+from deployments.metrics import rss_bytes
+from deployments.openai_api import error_response, parse_embedding_request
 from deployments.security import ApiKeyAuth, UrlFetcher, host_allowed
 from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError
 from encoder.preprocess import DEFAULT_FORMATS, PreprocessConfig
@@ -130,8 +124,8 @@ def test_request_parsing_and_content_type():
 
 def test_error_mapping_table():
     cases = [
-        (RequestError("k", 401, "missing_api_key", None), 401, "authentication_error"),
-        (RequestError("x", 413, "request_too_large", None), 413, "invalid_request_error"),
+        (RequestError("k", ErrorCode.MISSING_API_KEY, None), 401, "authentication_error"),
+        (RequestError("x", ErrorCode.REQUEST_TOO_LARGE, None), 413, "invalid_request_error"),
         (BackPressureError(5, 5, status_code=429, retry_after_s=2), 429, "rate_limit_error"),
         (BackPressureError(5, 5), 503, "server_error"),
         (ActorDiedError(), 503, "server_error"),
@@ -139,10 +133,11 @@ def test_error_mapping_table():
         (RuntimeError("bug"), 500, "server_error"),
     ]
     for exc, status, type_ in cases:
-        assert classify(exc)[:2] == (status, type_), exc
+        error = classify(exc).error
+        assert (error.status, error.type) == (status, type_), exc
     r = error_response(BackPressureError(5, 5, status_code=429), retry_after_s=1.5)
     assert r.status_code == 429 and r.headers["retry-after"] == "2"
-    r = error_response(RequestError("no key", 401, "missing_api_key", None))
+    r = error_response(RequestError("no key", ErrorCode.MISSING_API_KEY, None))
     assert r.headers["www-authenticate"] == "Bearer" and b"no key" in r.body
     assert b"bug" not in error_response(RuntimeError("bug")).body  # no internals leak
 

@@ -16,15 +16,10 @@ from pydantic import ValidationError
 
 from deployments.batching import ContinuousBatcher
 from deployments.config import AppArgs, batch_limits, bucket_table, resolve_device, resolve_num_gpus
+from deployments.errors import ErrorCode, RequestError, classify, with_index
 from deployments.ingress import chunk, encoder_ready
-from deployments.openai_api import (
-    RequestError,
-    classify,
-    decode_image_string,
-    embeddings_body,
-    prepare_image,
-    with_index,
-)
+from deployments.inputs import finish_input, open_input, parse_image_string
+from deployments.openai_api import embeddings_body
 from deployments.replica import Work, check_pixels
 from encoder.errors import (
     ConfigError,
@@ -110,6 +105,14 @@ def test_default_app_import_path_survives_submodule_imports():
 # ------------------------------------------------------------------------------------------ ingress pieces
 
 
+def decode_image_string(text: str) -> bytes:
+    return parse_image_string(text)[0]
+
+
+def prepare_image(x, pp):
+    return finish_input(open_input(x, pp), pp)
+
+
 def test_decode_image_strings():
     data = b"\x89PNG fake"
     b64 = base64.b64encode(data).decode()
@@ -149,16 +152,24 @@ def test_error_classification():
             super().__init__("wrapped")
             self.cause = cause
 
-    assert classify(RequestError("x", 415, "c", "input")) == (415, "invalid_request_error", "c", "input")
-    assert classify(ImageTooLargeError("x"))[0] == 413
-    assert classify(RayTaskErrorLike(ImageTooLargeError("big")))[0] == 413
-    assert classify(ImageDecodeError("x"))[:3] == (400, "invalid_request_error", "invalid_image")
-    assert classify(InvalidImageError("x"))[0] == 400
-    assert classify(InvalidArgumentError("x"))[0] == 400
-    assert classify(ConfigError("x"))[0] == 500 and classify(RuntimeError("x"))[:2] == (500, "server_error")
+    def status(exc):
+        return classify(exc).error.status
+
+    got = classify(RequestError("x", ErrorCode.UNSUPPORTED_IMAGE_FORMAT, "input"))
+    assert (got.error.status, got.error.type, got.error.code, got.param) == (
+        415, "invalid_request_error", "unsupported_image_format", "input"
+    )  # fmt: skip
+    assert status(ImageTooLargeError("x")) == 413
+    assert status(RayTaskErrorLike(ImageTooLargeError("big"))) == 413
+    got = classify(ImageDecodeError("x")).error
+    assert (got.status, got.type, got.code) == (400, "invalid_request_error", "invalid_image")
+    assert status(InvalidImageError("x")) == 400
+    assert status(InvalidArgumentError("x")) == 400
+    assert status(ConfigError("x")) == 500
+    assert (classify(RuntimeError("x")).error.status, classify(RuntimeError("x")).error.type) == (500, "server_error")
     e = with_index(ImageDecodeError("bad"), "input[3]")
     assert type(e) is ImageDecodeError and str(e) == "input[3]: bad"
-    r = with_index(RequestError("b64", 400, "invalid_base64"), "input[1]")
+    r = with_index(RequestError("b64", ErrorCode.INVALID_BASE64), "input[1]")
     assert (r.status, r.code, str(r)) == (400, "invalid_base64", "input[1]: b64")
 
 
@@ -339,8 +350,8 @@ def test_replica_keeps_the_prefix_with_the_best_patches_per_replay_cost():
 
 
 def test_ingress_decodes_only_small_pictures_on_its_event_loop():
-    from deployments.ingress import _INLINE_DECODE_PIXELS, _small, _source_pixels
-    from deployments.limits import open_input
+    from deployments.ingress import _INLINE_DECODE_PIXELS, _small
+    from deployments.inputs import source_pixels as _source_pixels
 
     small_png = encode(random_image("RGB", 224, 224, 1), "PNG")
     flat = encode(Image.new("RGB", (3000, 2000), (9, 9, 9)), "PNG")  # 9 MB of pixels in a few KB

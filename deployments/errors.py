@@ -1,0 +1,169 @@
+"""What a request can end in, and how each ending is answered.
+
+`ErrorCode` is the one table: every error the service answers has a member, and the member says the
+OpenAI error `code` clients see, the HTTP status, the OpenAI error `type` and the metrics outcome. A
+raise site names a member (`RequestError("...", ErrorCode.TOO_MANY_IMAGES)`), never a status; `classify`
+maps any exception (ours, the encoder's, Ray's) onto a member. Nothing here imports FastAPI or builds an
+app: the HTTP module (`deployments.openai_api`) and the handle path both read this module.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+from encoder.errors import (
+    ConfigError,
+    EncoderError,
+    ImageDecodeError,
+    ImageTooLargeError,
+    InvalidArgumentError,
+    InvalidImageError,
+)
+
+# OpenAI error types
+_INVALID = "invalid_request_error"
+_AUTH = "authentication_error"
+_RATE = "rate_limit_error"
+_SERVER = "server_error"
+
+# metrics outcomes (`vision_requests{outcome=...}`) and the ingress counters they feed
+OK = "ok"
+CLIENT_ERROR = "client_error"
+OVERLOADED = "overloaded"
+TIMED_OUT = "timeout"
+SERVER_ERROR = "server_error"
+
+
+class ErrorCode(Enum):
+    """Every error answer: (OpenAI `code`, HTTP status, OpenAI `type`, metrics outcome)."""
+
+    # -- the request is malformed (400) ------------------------------------------------------------------
+    INVALID_REQUEST = ("invalid_request", 400, _INVALID, CLIENT_ERROR)
+    INVALID_JSON = ("invalid_json", 400, _INVALID, CLIENT_ERROR)
+    INVALID_BASE64 = ("invalid_base64", 400, _INVALID, CLIENT_ERROR)
+    INVALID_DATA_URL = ("invalid_data_url", 400, _INVALID, CLIENT_ERROR)
+    INVALID_IMAGE_URL = ("invalid_image_url", 400, _INVALID, CLIENT_ERROR)
+    URL_NOT_ALLOWED = ("url_not_allowed", 400, _INVALID, CLIENT_ERROR)
+    IMAGE_FETCH_FAILED = ("image_fetch_failed", 400, _INVALID, CLIENT_ERROR)
+    INVALID_IMAGE = ("invalid_image", 400, _INVALID, CLIENT_ERROR)
+    INVALID_ARGUMENT = ("invalid_argument", 400, _INVALID, CLIENT_ERROR)
+    INVALID_POOLING = ("invalid_pooling", 400, _INVALID, CLIENT_ERROR)
+    INVALID_DIMENSIONS = ("invalid_dimensions", 400, _INVALID, CLIENT_ERROR)
+    INVALID_EMBEDDING_DTYPE = ("invalid_embedding_dtype", 400, _INVALID, CLIENT_ERROR)
+    # -- the caller is not let in (401) ---------------------------------------------------------------------
+    MISSING_API_KEY = ("missing_api_key", 401, _AUTH, CLIENT_ERROR)
+    INVALID_API_KEY = ("invalid_api_key", 401, _AUTH, CLIENT_ERROR)
+    # -- what was asked for does not exist here (404, 405) ----------------------------------------------------
+    MODEL_NOT_FOUND = ("model_not_found", 404, _INVALID, CLIENT_ERROR)
+    ROUTE_NOT_FOUND = ("not_found", 404, _INVALID, CLIENT_ERROR)
+    METHOD_NOT_ALLOWED = ("method_not_allowed", 405, _INVALID, CLIENT_ERROR)
+    # -- the body did not arrive in time (408) ------------------------------------------------------------
+    REQUEST_TIMEOUT = ("request_timeout", 408, _INVALID, TIMED_OUT)
+    # -- over a limit (413), of a kind not read (415), against the schema (422) --------------------------------
+    IMAGE_TOO_LARGE = ("image_too_large", 413, _INVALID, CLIENT_ERROR)
+    TOO_MANY_IMAGES = ("too_many_images", 413, _INVALID, CLIENT_ERROR)
+    TOO_MANY_PATCHES = ("too_many_patches", 413, _INVALID, CLIENT_ERROR)
+    REQUEST_TOO_LARGE = ("request_too_large", 413, _INVALID, CLIENT_ERROR)
+    UNSUPPORTED_MEDIA_TYPE = ("unsupported_media_type", 415, _INVALID, CLIENT_ERROR)
+    UNSUPPORTED_CONTENT_TYPE = ("unsupported_content_type", 415, _INVALID, CLIENT_ERROR)
+    UNSUPPORTED_IMAGE_FORMAT = ("unsupported_image_format", 415, _INVALID, CLIENT_ERROR)
+    INVALID_SCHEMA = ("invalid_schema", 422, _INVALID, CLIENT_ERROR)
+    # -- the service cannot take it now (429, 503) -------------------------------------------------------------
+    RATE_LIMITED = ("overloaded", 429, _RATE, OVERLOADED)  # this ingress replica is at its in-flight limit
+    OVERLOADED = ("overloaded", 503, _SERVER, OVERLOADED)  # a Serve queue is full
+    ENCODER_UNAVAILABLE = ("encoder_unavailable", 503, _SERVER, OVERLOADED)  # retries ran out
+    # -- the service failed (500, 504) ---------------------------------------------------------------------------
+    INTERNAL_ERROR = ("internal_error", 500, _SERVER, SERVER_ERROR)
+    TIMEOUT = ("timeout", 504, _SERVER, TIMED_OUT)
+
+    def __init__(self, code: str, status: int, type_: str, outcome: str):
+        self.code, self.status, self.type, self.outcome = code, status, type_, outcome
+
+    @property
+    def retry_after(self) -> bool:
+        """Answers that tell the client when to come back (`Retry-After`)."""
+        return self.status in (429, 503)
+
+
+def openai_type(status: int) -> str:
+    """The OpenAI error type of a status that no `ErrorCode` names (Starlette's own HTTP errors)."""
+    return {401: _AUTH, 429: _RATE}.get(status, _INVALID if status < 500 else _SERVER)
+
+
+class RequestError(InvalidArgumentError):
+    """A client mistake the ingress detects itself (bad base64, data URL, media type, limits, API key)."""
+
+    def __init__(self, message: str, error: ErrorCode = ErrorCode.INVALID_REQUEST, param: str | None = "input"):
+        super().__init__(message)
+        self.error, self.param = error, param
+
+    @property
+    def status(self) -> int:
+        return self.error.status
+
+    @property
+    def code(self) -> str:
+        return self.error.code
+
+
+# Errors of a call to an encoder replica that say the replica (or its node) went away, not that the request
+# was bad: the ingress retries these (encoding is idempotent); when retries run out they answer 503.
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    RayActorError,  # ActorDiedError, ActorUnavailableError
+    WorkerCrashedError,
+    NodeDiedError,
+    ObjectLostError,
+    ReplicaUnavailableError,
+    DeploymentUnavailableError,
+)
+
+
+class Classified(NamedTuple):
+    error: ErrorCode
+    param: str | None
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The user exception inside a Ray task error raised by a replica (Ray keeps it as `.cause`)."""
+    seen = 0
+    while isinstance(getattr(exc, "cause", None), BaseException) and seen < 8:
+        exc, seen = exc.cause, seen + 1
+    return exc
+
+
+def classify(exc: BaseException) -> Classified:
+    """The answer to a request that raised `exc`: its `ErrorCode` and the request field it names."""
+    exc = root_cause(exc)
+    if isinstance(exc, RequestError):
+        return Classified(exc.error, exc.param)
+    if isinstance(exc, ImageTooLargeError):
+        return Classified(ErrorCode.IMAGE_TOO_LARGE, "input")
+    if isinstance(exc, ImageDecodeError | InvalidImageError):
+        return Classified(ErrorCode.INVALID_IMAGE, "input")
+    if isinstance(exc, InvalidArgumentError):
+        return Classified(ErrorCode.INVALID_ARGUMENT, None)
+    if isinstance(exc, EncoderError) and not isinstance(exc, ConfigError):
+        return Classified(ErrorCode.INVALID_REQUEST, None)
+    if isinstance(exc, BackPressureError):
+        return Classified(ErrorCode.RATE_LIMITED if exc.status_code == 429 else ErrorCode.OVERLOADED, None)
+    if isinstance(exc, UNAVAILABLE_ERRORS):
+        return Classified(ErrorCode.ENCODER_UNAVAILABLE, None)
+    if isinstance(exc, TimeoutError):
+        return Classified(ErrorCode.TIMEOUT, None)
+    return Classified(ErrorCode.INTERNAL_ERROR, None)
+
+
+def with_index(exc: EncoderError, where: str) -> EncoderError:
+    """The same error type with the input position prefixed to its message."""
+    if isinstance(exc, RequestError):
+        return RequestError(f"{where}: {exc}", exc.error, exc.param)
+    try:
+        new = type(exc)(f"{where}: {exc}")
+    except Exception:  # noqa: BLE001 - an exception type with another constructor: keep the original
+        return exc
+    new.__cause__ = exc
+    return new
