@@ -43,8 +43,9 @@ except ImportError:  # run as a script from a checkout: make the repo root impor
 
 import encoder  # noqa: E402
 from deployments.batch.dataset import (  # noqa: E402
-    bucket_table_for,
-    effective_buckets,
+    actor_device,
+    actor_graph_cap,
+    actor_plan,
     preprocess_config_for,
     rows_per_batch,
 )
@@ -214,17 +215,17 @@ def main(argv: list[str] | None = None) -> int:
 
     pp = preprocess_config_for(args.model)
     gpus = (1 if has_gpu else 0) if args.num_gpus is None else args.num_gpus
-    buckets = effective_buckets(args.buckets, gpus)
-    table = bucket_table_for(args.model, buckets)
+    device = actor_device(gpus)
+    plan = actor_plan(args.model, device, args.buckets, actor_graph_cap(args.model, device, args.dtype, args.attention))
     typical = num_patches(args.size, args.size, pp)
-    auto_rows = rows_per_batch(table, typical)
+    auto_rows = rows_per_batch(plan, typical)
     batch_sizes = [b or auto_rows for b in parse_list(args.batch_sizes)]
 
     eng = engine_only(
         args.model,
         images[: args.engine_images],
         pp,
-        buckets,
+        plan.table,
         batch_sizes[0],
         args.dtype,
         args.attention,
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_name = torch.cuda.get_device_name(0) if has_gpu else "none"
     lines = [
         f"Batch job vs engine: {args.model} ({args.dtype or 'default dtype'}), {args.num_images} x {args.size}² JPEG, "
-        f"pooling={args.pooling}, buckets={buckets or 'default'}; GPU {gpu_name}, Ray sees "
+        f"pooling={args.pooling}, buckets={args.buckets or 'default'}; GPU {gpu_name}, Ray sees "
         f"{resources.get('CPU', 0):g} CPU / {resources.get('GPU', 0):g} GPU",
         "",
         "| run | encoder batch rows | decode tasks | images | seconds | img/s | img/s after first 10% | vs engine |",

@@ -131,12 +131,12 @@ def http_variant(spec: str) -> dict:
 
 def engine_phase(a, device: str) -> list[dict]:
     import encoder
-    from deployments.config import AppArgs, bucket_table
+    from deployments.config import AppArgs, replica_plan
     from encoder.preprocess import stack_patchify
     from workspace import GraphEncoder
 
     vision = encoder.load(a.model, device=device, dtype=a.dtype, attention=a.attention)
-    eng = GraphEncoder(vision, bucket_table(AppArgs(buckets=a.buckets), device, vision.config.merge_unit))
+    eng = GraphEncoder(vision, replica_plan(AppArgs(buckets=a.buckets), vision, device).table)
     imgs = images(224, a.engine_batch, vision.preprocess_config)
     rows = []
 

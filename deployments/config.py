@@ -1,7 +1,7 @@
 """`AppArgs`: the validated arguments of `build_app`, and the decisions derived from them.
 
-Everything here is cheap to import (no torch, no Ray Serve): the Serve CLI imports it to build the
-application on the driver, and the replicas re-validate the same dict in their constructors.
+The Serve CLI imports it to build the application on the driver (it loads no Ray Serve), and the replicas
+re-validate the same dict in their constructors.
 """
 
 from __future__ import annotations
@@ -11,20 +11,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from encoder.preprocess import DEFAULT_FORMATS
 from workspace.buckets import BucketError, BucketTable
+from workspace.tables import DEVICE_DEFAULTS, BucketPlan, process_plan, shape_of_encoder
 
 INGRESS_NAME = "VisionIngress"
 ENCODER_NAME = "VisionEncoder"
 DEFAULT_APP_NAME = "vision"
-# On a CPU replica every bucket runs eagerly with its static (padded) attention bounds, so small buckets
-# holding one image each are far cheaper there than the GPU's multi-image graphs.
-CPU_BUCKETS = "256,1024"
-CPU_BUCKET_MAX_IMAGES = 1
-# ... and batches of a few small images (the engine still replays one bucket per image).
-CPU_MAX_BATCH_PATCHES = 8192
-CPU_MAX_BATCH_SIZE = 32
-# Pillow formats the ingress decodes by default (encoder.preprocess.DEFAULT_FORMATS; not imported: torch).
-DEFAULT_IMAGE_FORMATS = ("BMP", "GIF", "JPEG", "PNG", "TIFF", "WEBP")
+_CPU = DEVICE_DEFAULTS["cpu"]
+# Pillow formats the ingress decodes by default: the encoder's
+DEFAULT_IMAGE_FORMATS = tuple(sorted(DEFAULT_FORMATS))
 API_KEY_ENV = "VISION_API_KEY"
 
 
@@ -53,7 +49,7 @@ class AppArgs(BaseModel):
     buckets: str | None = Field(
         None,
         description="Bucket budgets, '256,1024,4096' or 'pow2:256-32768'. Default: pow2:256-32768 on CUDA "
-        f"(workspace.GraphEncoder's table), {CPU_BUCKETS!r} on CPU.",
+        f"(workspace.tables), {_CPU.buckets!r} on CPU.",
     )
     bucket_max_images: int | None = Field(
         None, gt=0, description="Images per bucket (all buckets); default: the table's rule (1 on CPU)."
@@ -62,13 +58,13 @@ class AppArgs(BaseModel):
         None,
         gt=0,
         description="Patches per replica batch (and per request the ingress sends); default: the largest "
-        f"bucket's budget ({CPU_MAX_BATCH_PATCHES} with the CPU buckets).",
+        f"bucket's budget ({_CPU.max_batch_patches} with the CPU buckets).",
     )
     max_batch_size: int | None = Field(
         None,
         gt=0,
         description="Images per replica batch; default: the largest bucket's max_images "
-        f"({CPU_MAX_BATCH_SIZE} with the CPU buckets).",
+        f"({_CPU.max_batch_images} with the CPU buckets).",
     )
     batch_wait_timeout_s: float = Field(
         0.002, ge=0, description="batcher='serve': how long @serve.batch waits for more requests after the first."
@@ -325,25 +321,15 @@ def resolve_device(args: AppArgs, num_gpus: float) -> str:
     return "cuda" if num_gpus > 0 else "cpu"
 
 
-def bucket_table(args: AppArgs, device: str, merge_unit: int, max_budget: int = 32768) -> BucketTable | None:
-    """The replica's bucket table; None lets `GraphEncoder` use its default (the GPU table).
-
-    `max_budget` caps the default budgets when only `bucket_max_images` is given (the attention
-    backend's `max_graph_tokens`)."""
-    spec = args.buckets if args.buckets is not None else (CPU_BUCKETS if device == "cpu" else None)
-    max_images = args.bucket_max_images
-    if max_images is None and device == "cpu" and args.buckets is None:
-        max_images = CPU_BUCKET_MAX_IMAGES
-    if spec is None and max_images is None:
-        return None
-    if spec is None:  # the GPU default budgets with a fixed image count
-        spec = f"pow2:256-{1 << (max(256, max_budget).bit_length() - 1)}"
-    return BucketTable.parse(spec, granule=merge_unit, max_images=max_images)
-
-
-def batch_limits(args: AppArgs, table: BucketTable, device: str) -> tuple[int, int]:
-    """(max patches, max images) of one replica batch."""
-    cpu_default = device == "cpu" and args.buckets is None and args.bucket_max_images is None
-    patches = args.max_batch_patches or (CPU_MAX_BATCH_PATCHES if cpu_default else table.largest.budget)
-    images = args.max_batch_size or (CPU_MAX_BATCH_SIZE if cpu_default else table.largest.max_images)
-    return patches, images
+def replica_plan(args: AppArgs, vision, device: str) -> BucketPlan:
+    """The bucket table and batch limits of an encoder replica running `vision` (a loaded
+    `encoder.VisionEncoder`) on `device`: `workspace.tables.process_plan` of the app's arguments."""
+    return process_plan(
+        shape_of_encoder(vision),
+        device,
+        args.buckets,
+        bucket_max_images=args.bucket_max_images,
+        max_graph_tokens=vision.model.backend.max_graph_tokens,
+        max_batch_patches=args.max_batch_patches,
+        max_batch_images=args.max_batch_size,
+    )

@@ -36,7 +36,7 @@ from encoder.preprocess import PreprocessConfig, stack_patchify
 from workspace import GraphEncoder
 
 from .batching import ContinuousBatcher
-from .config import AppArgs, batch_limits, bucket_table, resolve_device, resolve_num_gpus
+from .config import AppArgs, replica_plan, resolve_device, resolve_num_gpus
 from .llm_outputs import WIRE_TORCH_DTYPES, WireLLM, check_dtype, wire_outputs
 from .metrics import RecentTimings, ReplicaMetrics
 
@@ -97,11 +97,11 @@ class EncoderReplica:
         start = time.perf_counter()
         vision = encoder.load(a.model, device=self.device_name, dtype=a.dtype, attention=a.attention, seed=a.seed)
         self.pp = vision.preprocess_config
-        cap = getattr(vision.model.backend, "max_graph_tokens", None) or 32768
-        self.engine = GraphEncoder(vision, bucket_table(a, self.device_name, vision.config.merge_unit, cap))
+        plan = replica_plan(a, vision, self.device_name)
+        self.engine = GraphEncoder(vision, plan.table)
         self.device = vision.device
         table = self.engine.table
-        self.max_batch_patches, self.max_batch_images = batch_limits(a, table, self.device_name)
+        self.max_batch_patches, self.max_batch_images = plan.max_batch_patches, plan.max_batch_images
         # The device thread uploads, patchifies and queues replays; the results thread waits for a batch's
         # device work and splits its outputs. With pipeline_depth 2 the device thread prepares batch N+1
         # while batch N replays, so the GPU does not idle through the host's part of every batch.

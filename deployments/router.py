@@ -33,7 +33,7 @@ What a replica publishes (`record_routing_stats()`; see `BucketRoutingStats` and
 
 - `"buckets"`: the replica's bucket table as `[[budget, max_images], ...]` ascending (bare budgets are
   accepted too). The router uses the table most replicas report; with none it uses
-  `BucketRouterConfig.buckets`, else `default_bucket_table()` (the engine's default table).
+  `BucketRouterConfig.buckets`, else `workspace.tables.router_fallback_table()` (the engine's default).
 - `"ready"`: False while the replica cannot serve (graphs not captured); such replicas rank last.
 - `"queued_by_bucket"`: `{budget: queued requests}`, for dashboards and future policies. Not used to
   route: Serve polls these stats every `request_routing_stats_period_s` (10 s by default) and relays
@@ -52,7 +52,7 @@ replica ids, so every router process (proxy, driver, each ingress replica) compu
   (blocks differ by at most one, the larger blocks go to the largest buckets). Contiguous ranges
   keep small and large images on different replicas, which is what the latency goal needs: with
   the default table (256..32768) and two replicas, 224x224 (256 patches) and 1344x1344 (9216 -> 16384)
-  always land on different replicas. `BucketTable.assign`'s interleaving puts those two on the same
+  always land on different replicas. Interleaving (bucket of rank r to replica r % n) puts those two on the same
   replica, and rendezvous hashing does so for about one replica-id pair in three.
 - `"rendezvous"`: highest-random-weight hashing of (bucket, replica id) with bounded loads (largest
   bucket first; owned counts differ by at most one, as with ranges): a replica set change moves
@@ -115,7 +115,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from workspace.buckets import BucketError, BucketKey, BucketTable, default_table
+from workspace.buckets import BucketError, BucketKey, BucketTable
+from workspace.tables import router_fallback_table
 
 __all__ = [
     "STATS_BUCKETS",
@@ -126,7 +127,6 @@ __all__ = [
     "BucketRouterConfig",
     "BucketRoutingStats",
     "assign_buckets",
-    "default_bucket_table",
     "request_size",
 ]
 
@@ -142,11 +142,6 @@ STATS_READY = "ready"
 """False while the replica cannot serve; the router ranks it last."""
 
 ASSIGNMENT_STRATEGIES = ("ranges", "rendezvous")
-
-
-def default_bucket_table() -> BucketTable:
-    """The engine's default table (`workspace.buckets.default_table`)."""
-    return default_table()
 
 
 class BucketRoutingStats(BaseModel):
@@ -224,7 +219,7 @@ class BucketRouterConfig(BaseModel):
     num_images_kwarg: str = "num_images"
 
     def default_table(self) -> BucketTable:
-        return default_bucket_table() if self.buckets is None else BucketTable.parse(self.buckets)
+        return router_fallback_table() if self.buckets is None else BucketTable.parse(self.buckets)
 
 
 # -- pure helpers -----------------------------------------------------------------------------------------

@@ -296,6 +296,12 @@ def default_backend(device: torch.device, dtype: torch.dtype, config: VisionConf
     return get_backend(default_backend_name(device.type))
 
 
+def select_backend(config: VisionConfig, device, dtype=None, attention: str | None = None):
+    """The attention backend `load` gives this model on `device`: the named one, else the default."""
+    device = torch.device(device)
+    return get_backend(attention) if attention else default_backend(device, _resolve_dtype(dtype, device), config)
+
+
 def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
     if isinstance(config, Qwen3VLVisionConfig):
         return Qwen3VisionTower(config, backend)
@@ -316,7 +322,7 @@ def load(
     path = Path(model)
     is_dir = path.is_dir()
     config = load_config(path) if is_dir else preset(model)
-    backend = get_backend(attention) if attention else default_backend(device, dtype, config)
+    backend = select_backend(config, device, dtype, attention)
     why = backend.supports(device, dtype, config.head_dim)
     if why:
         raise ConfigError(f"attention backend {backend.name!r} cannot run this model: {why}")

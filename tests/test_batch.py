@@ -16,14 +16,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from PIL import Image
 
 import encoder
 from deployments.batch import EncoderActor, decode_batch, output_schema
 from deployments.batch.__main__ import main as cli_main
-from deployments.batch.dataset import CPU_BUCKETS, ERROR, PATCHES, _pixel_rows, fill_order, preprocess_config_for
+from deployments.batch.dataset import ERROR, PATCHES, _pixel_rows, fill_order, preprocess_config_for
 from deployments.batch.job import CRASH_ENV, MANIFEST, InputFile, Part, plan_parts, read_units
+from encoder.errors import InvalidArgumentError
 from workspace.buckets import BucketKey, BucketTable
 
 pytest_plugins = ["tests.serve_fixtures"]
@@ -169,7 +171,7 @@ def test_actor_matches_encoder_and_marks_errors():
     decoded = pa.concat_tables([decoded.slice(0, 9), decoded.slice(9, 20), decoded.slice(29)])
     assert decoded.column("_ve_pixels").num_chunks == 3
     for pooling in ("mean", "none"):
-        actor = EncoderActor("tiny", pooling, CPU_BUCKETS, preprocess_config=pp)
+        actor = EncoderActor("tiny", pooling, None, preprocess_config=pp)  # the CPU default table
         out = actor(decoded)
         assert out.schema == output_schema(
             pa.schema([("id", pa.int64()), ("image", pa.binary())]), "image", pooling, actor.dim
@@ -182,6 +184,33 @@ def test_actor_matches_encoder_and_marks_errors():
         for (i, _), w in zip(good, want, strict=True):
             assert_close(np.asarray(got[i], dtype=np.float32), w)
         assert all(got[i] is None for i in bad)
+
+
+def test_driver_and_actors_agree_on_the_bucket_table_for_every_backend():
+    """The driver sizes Ray Data batches from the table its actors will have: for every attention backend
+    usable here the driver's plan (from the model's config) is the actor's own, and for a GPU actor the
+    backend's `max_graph_tokens` caps the driver's table as it caps the engine's (sdpa: 8192, not 32768)."""
+    from deployments.batch.dataset import actor_device, actor_graph_cap, actor_plan, rows_per_batch
+    from encoder.attention import available_backends
+    from workspace import GraphEncoder
+
+    usable = [name for name, why in available_backends().items() if why is None]
+    assert "sdpa" in usable
+    for name in usable:
+        for buckets in (None, "256,512"):
+            cap = actor_graph_cap("tiny", "cpu", attention=name)
+            actor = EncoderActor("tiny", "mean", buckets, attention=name)
+            assert cap == actor.vision.model.backend.max_graph_tokens, name
+            assert actor_plan("tiny", "cpu", buckets, cap) == actor.plan, (name, buckets)
+            assert actor.engine.table == actor.plan.table
+        # on a GPU the device default is the engine default, capped by the backend like the engine's
+        vision = encoder.load("tiny", device="cpu", attention=name)
+        gpu = actor_plan("tiny", actor_device(1), None, vision.model.backend.max_graph_tokens)
+        assert gpu.table == GraphEncoder(vision).table, name
+    sdpa = actor_plan("tiny", "cuda", None, actor_graph_cap("tiny", "cpu", attention="sdpa"))
+    assert sdpa.table.largest.budget == 8192 and rows_per_batch(sdpa, 256) == 64
+    with pytest.raises(InvalidArgumentError, match="drift"):
+        EncoderActor("tiny", "mean", None, expected_table=BucketTable.parse("256"))
 
 
 def test_pixel_rows_from_read_only_shared_memory():

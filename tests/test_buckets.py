@@ -1,4 +1,4 @@
-"""Tests for workspace.buckets: keys, table construction and parsing, lookup, packing, assignment."""
+"""Tests for workspace.buckets: keys, table construction and parsing, lookup, packing."""
 
 from __future__ import annotations
 
@@ -300,37 +300,3 @@ def test_pack_properties(table, counts):
 def test_bucket_for_matches_linear_scan(table, total, n):
     fitting = [k for k in table.keys if k.budget >= total and k.max_images >= n]
     assert table.bucket_for(total, n) == (fitting[0] if fitting else None)
-
-
-# -- assign ------------------------------------------------------------------------------------------------
-
-
-def test_assign_round_robin_from_largest():
-    table = BucketTable.from_budgets([256, 512, 1024, 2048, 4096])
-    by_budget = {k.budget: r for k, r in table.assign(2).items()}
-    assert by_budget == {4096: 0, 2048: 1, 1024: 0, 512: 1, 256: 0}
-    by_budget = {k.budget: r for k, r in table.assign(8).items()}
-    assert by_budget == {4096: 0, 2048: 1, 1024: 2, 512: 3, 256: 4}
-    assert set(table.assign(1).values()) == {0}
-
-
-@pytest.mark.parametrize("replicas", [0, -1, 1.5, True])
-def test_assign_rejects_bad_replica_count(replicas):
-    with pytest.raises(BucketError, match="num_replicas"):
-        TABLE.assign(replicas)
-
-
-@settings(max_examples=200, deadline=None)
-@given(budgets=st.sets(st.integers(1, 10_000), min_size=1, max_size=20), replicas=st.integers(1, 12))
-def test_assign_properties(budgets, replicas):
-    table = BucketTable.from_budgets(list(budgets), max_images=4)
-    owners = table.assign(replicas)
-    # Coverage, deterministic (also from a differently ordered but equal table), valid replica ids.
-    assert set(owners) == set(table.keys)
-    assert owners == BucketTable.from_budgets(sorted(budgets, reverse=True), max_images=4).assign(replicas)
-    assert all(0 <= r < replicas for r in owners.values())
-    loads = [list(owners.values()).count(r) for r in range(replicas)]
-    assert max(loads) - min(loads) <= 1
-    # Largest buckets go to distinct replicas first.
-    top = sorted(table.keys, reverse=True)[:replicas]
-    assert [owners[k] for k in top] == list(range(len(top)))

@@ -23,7 +23,7 @@ from encoder import CheckpointError, ConfigError, InvalidArgumentError
 from encoder.config import ClipVisionConfig, SiglipVisionConfig
 from encoder.preprocess_vit import VitPreprocessConfig, preprocess_config_from_dump, preprocess_vit
 from encoder.presets import preset
-from workspace.graph_encoder import fixed_table, image_count_table
+from workspace.tables import fixed_table, image_count_table
 
 # tiny towers: CLIP 4x4 patches + class token; SigLIP 60 px with 14 px patches (the last 4 px unused,
 # as SigLIP-384 with 14 px patches leaves 6) and an MLP width that is not a multiple of 128
@@ -457,7 +457,7 @@ def test_batch_actor_encodes_clip(tmp_path):
 
     from deployments.batch.dataset import (
         EncoderActor,
-        bucket_table_for,
+        actor_plan,
         decode_batch,
         output_schema,
         preprocess_config_for,
@@ -467,7 +467,7 @@ def test_batch_actor_encodes_clip(tmp_path):
     assert resolve_pooling(None, "tiny-clip") == "model" and resolve_pooling(None, "tiny") == "mean"
     with pytest.raises(InvalidArgumentError, match="needs a model"):
         resolve_pooling("model", "tiny")
-    assert [k.max_images for k in bucket_table_for("tiny-clip", "256,512")] == [4, 8]
+    assert [k.max_images for k in actor_plan("tiny-clip", "cpu", "256,512").table] == [4, 8]
     pp = preprocess_config_for("tiny-clip")
     images = [encode(random_image("RGB", 40 + 9 * i, 70, seed=i), "PNG") for i in range(5)]
     table = pa.table({"id": list(range(6)), "image": [*images, b"not an image"]})

@@ -11,7 +11,7 @@ from images_util import encode, random_image
 import encoder
 import workspace
 from encoder.attention import available_backends, get_backend
-from workspace.graph_encoder import image_count_table
+from workspace.tables import image_count_table
 
 pytestmark = pytest.mark.gpu
 MODELS = ["clip-vit-l-14", "siglip-so400m-14-384"]

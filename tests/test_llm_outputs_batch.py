@@ -14,7 +14,7 @@ from test_batch import cli, make_rows, read_output
 
 import encoder
 from deployments.batch import EncoderActor, decode_batch, output_schema
-from deployments.batch.dataset import CPU_BUCKETS, deepstack_layers, preprocess_config_for
+from deployments.batch.dataset import deepstack_layers, preprocess_config_for
 from deployments.batch.job import JobConfig, _resolve_part_rows
 from encoder.presets import PRESETS, preset
 
@@ -69,7 +69,7 @@ def test_actor_per_token_columns_equal_encode_llm(model):
     ids, images, bad = make_rows(7, seed=7, corrupt_every=2)  # 7 good rows, 7 kinds of bad ones
     table = pa.table({"id": ids, "image": pa.array(images, pa.binary())})
     decoded = decode_batch(table, image_column="image", pp=pp, path_root=None)
-    actor = EncoderActor(model, "none", "256,512" if model == "tiny-clip" else CPU_BUCKETS, preprocess_config=pp)
+    actor = EncoderActor(model, "none", "256,512" if model == "tiny-clip" else None, preprocess_config=pp)
     out = actor(decoded)
     layers = deepstack_layers(preset(model))
     assert (layers > 0) == (model == DEEPSTACK_MODEL)

@@ -28,10 +28,10 @@ from deployments.router import (
     BucketRouterConfig,
     BucketRoutingStats,
     assign_buckets,
-    default_bucket_table,
     request_size,
 )
 from workspace.buckets import BucketError, BucketKey, BucketTable
+from workspace.tables import router_fallback_table
 
 DEPLOYMENT = DeploymentID(name="Encoder", app_name="test")
 TWO = BucketTable([BucketKey(256, 4), BucketKey(4096, 64)])  # small and large
@@ -152,8 +152,8 @@ def test_default_table_is_the_engine_default():
 
     from workspace.buckets import BucketTable, default_table
 
-    assert default_bucket_table() == default_table()
-    assert default_bucket_table() != default_table(16384)
+    assert BucketRouterConfig().default_table() == router_fallback_table() == default_table()
+    assert router_fallback_table() != default_table(16384)
     table = BucketTable.parse("256,1024")
     assert pickle.loads(pickle.dumps(table)) == table
 
@@ -207,7 +207,7 @@ def test_ranges_two_replicas_two_buckets():
 
 @pytest.mark.parametrize("num_replicas", range(1, 20))
 def test_ranges_are_contiguous_ordered_and_balanced(num_replicas):
-    table = default_bucket_table()
+    table = router_fallback_table()
     ids = [uuid.uuid4().hex[:12] for _ in range(num_replicas)]
     owners = assign_buckets(table, ids)
     assert list(owners) == list(table.keys)
@@ -229,7 +229,7 @@ def test_ranges_are_contiguous_ordered_and_balanced(num_replicas):
 
 @pytest.mark.parametrize("strategy", ["ranges", "rendezvous"])
 def test_assignment_is_a_function_of_the_set(strategy):
-    table = default_bucket_table()
+    table = router_fallback_table()
     ids = [uuid.uuid4().hex[:12] for _ in range(5)]
     first = assign_buckets(table, ids, strategy)
     for perm in itertools.islice(itertools.permutations(ids), 20):
@@ -240,19 +240,20 @@ def test_assignment_is_a_function_of_the_set(strategy):
 
 
 def test_default_table_two_replicas_separate_224_and_1344_images():
-    table = default_bucket_table()
+    table = router_fallback_table()
     small = table.bucket_for(256, 1)  # 224x224
     large = table.bucket_for(9216, 1)  # 1344x1344
     for _ in range(50):
         ids = [uuid.uuid4().hex[:12] for _ in range(2)]
         owners = assign_buckets(table, ids)
         assert owners[small] != owners[large]
-    assert table.assign(2)[small] == table.assign(2)[large]  # why the interleaved assign() is not used
+    interleaved = {key: rank % 2 for rank, key in enumerate(reversed(table.keys))}  # every other bucket
+    assert interleaved[small] == interleaved[large]  # why buckets are not interleaved over replicas
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2, 3, 5, 8, 9, 13])
 def test_rendezvous_is_balanced(num_replicas):
-    table = default_bucket_table()
+    table = router_fallback_table()
     rng = random.Random(num_replicas)
     for _ in range(20):
         ids = [f"{rng.getrandbits(48):012x}" for _ in range(num_replicas)]
@@ -270,7 +271,7 @@ def _moved(before: dict, after: dict, removed: str | None = None) -> int:
 
 
 def test_rendezvous_moves_fewer_buckets_than_ranges_when_replicas_come_and_go():
-    table = default_bucket_table()
+    table = router_fallback_table()
     rng = random.Random(0)
     joins = {"ranges": 0, "rendezvous": 0}
     leaves = {"ranges": 0, "rendezvous": 0}
@@ -479,7 +480,7 @@ def test_missing_stats_use_the_default_or_configured_table():
         router.update_replicas(replicas)
         await settle(router)
         plan = router.plan(router._replicas_list)
-        assert plan.table == default_bucket_table() and plan.table_source == "default"
+        assert plan.table == router_fallback_table() and plan.table_source == "default"
         assert (await route(router, 256)).uid == "a"  # 256..2048 -> a
         assert (await route(router, 9216)).uid == "b"  # 4096..32768 -> b
 

@@ -15,7 +15,7 @@ from PIL import Image
 from pydantic import ValidationError
 
 from deployments.batching import ContinuousBatcher
-from deployments.config import AppArgs, batch_limits, bucket_table, resolve_device, resolve_num_gpus
+from deployments.config import AppArgs, replica_plan, resolve_device, resolve_num_gpus
 from deployments.errors import ErrorCode, RequestError, classify, with_index
 from deployments.ingress import chunk, encoder_ready
 from deployments.inputs import finish_input, open_input, parse_image_string
@@ -30,7 +30,7 @@ from encoder.errors import (
     InvalidImageError,
 )
 from encoder.preprocess import PreprocessConfig, load_image, patchify_many, resize_image, stack_patchify
-from workspace.buckets import BucketKey
+from workspace.buckets import BucketKey, default_table
 
 PP = PreprocessConfig()
 
@@ -63,16 +63,23 @@ def test_gpu_and_device_decisions():
 
 
 def test_bucket_tables_and_batch_limits():
-    cpu = bucket_table(AppArgs(), "cpu", merge_unit=4)
-    assert cpu.keys == (BucketKey(256, 1), BucketKey(1024, 1))
-    assert batch_limits(AppArgs(), cpu, "cpu") == (8192, 32)
-    assert bucket_table(AppArgs(), "cuda", merge_unit=4) is None  # GraphEncoder's default table
-    table = bucket_table(AppArgs(buckets="pow2:256-4096", bucket_max_images=8), "cuda", merge_unit=4)
+    tower = SimpleNamespace(merge_unit=4, patches_per_image=None, backend=SimpleNamespace(max_graph_tokens=None))
+    vision = SimpleNamespace(model=tower, preprocess_config=PP)
+
+    def plan(device, **args):
+        p = replica_plan(AppArgs(**args), vision, device)
+        return p.table, (p.max_batch_patches, p.max_batch_images)
+
+    cpu, limits = plan("cpu")
+    assert cpu.keys == (BucketKey(256, 1), BucketKey(1024, 1)) and limits == (8192, 32)
+    assert plan("cuda")[0] == default_table()  # the engine's default table
+    table, limits = plan("cuda", buckets="pow2:256-4096", bucket_max_images=8)
     assert [k.budget for k in table.keys] == [256, 512, 1024, 2048, 4096] and table.largest.max_images == 8
-    assert batch_limits(AppArgs(buckets="pow2:256-4096"), table, "cuda") == (4096, 8)
-    assert batch_limits(AppArgs(max_batch_patches=1000, max_batch_size=3), table, "cpu") == (1000, 3)
-    capped = bucket_table(AppArgs(bucket_max_images=4), "cuda", merge_unit=4, max_budget=8192)
-    assert capped.largest == BucketKey(8192, 4)
+    assert limits == (4096, 8)
+    assert plan("cpu", buckets="pow2:256-4096", max_batch_patches=1000, max_batch_size=3)[1] == (1000, 3)
+    tower.backend.max_graph_tokens = 8192  # sdpa's cap
+    assert plan("cuda", bucket_max_images=4)[0].largest == BucketKey(8192, 4)
+    assert plan("cuda")[0].largest.budget == 8192
 
 
 def test_build_app_from_cli_style_arguments():
@@ -336,7 +343,6 @@ def test_continuous_batcher_keep_leaves_the_rest_first_in_line():
 
 def test_replica_keeps_the_prefix_with_the_best_patches_per_replay_cost():
     from deployments.replica import EncoderReplica
-    from workspace.buckets import default_table
 
     replica = SimpleNamespace(engine=SimpleNamespace(table=default_table()), _fixed_cost=512)
     keep = lambda counts: EncoderReplica.func_or_class._keep(replica, [_work(c) for c in counts])  # noqa: E731

@@ -2,10 +2,11 @@
 
 A bucket is a token budget (total patches packed across images) plus a maximum image count. One CUDA
 graph is captured per bucket, so every batch must be mapped onto a bucket it fits, padded up to the
-budget. This module is pure Python (no torch) so the router and the CLI can use it cheaply.
+budget. This module is pure Python (no torch) so the router and the CLI can use it cheaply. Which table a
+process uses is `workspace.tables`' decision.
 
 - `BucketKey`: one bucket, ordered by (budget, max_images).
-- `BucketTable`: an immutable, budget-sorted set of buckets with `bucket_for`, `pack` and `assign`.
+- `BucketTable`: an immutable, budget-sorted set of buckets with `bucket_for` and `pack`.
 - `Pack`: one group of consecutive input images and the bucket it runs in (None = eager, no graph).
 
 Invariant kept by `BucketTable`: `max_images` never decreases as the budget grows. With it, "fits some
@@ -20,7 +21,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["BucketError", "BucketKey", "BucketTable", "Pack", "default_table"]
+__all__ = ["MAX_BUDGET", "BucketError", "BucketKey", "BucketTable", "Pack", "default_table"]
 
 
 class BucketError(ValueError):
@@ -75,6 +76,10 @@ class Pack:
         """Padding patches the graph runs on top of the real ones (0 for an eager pack)."""
         return 0 if self.key is None else self.key.budget - self.total
 
+
+#: the largest budget of the default tables (`default_table`, `workspace.tables`): a batch that fills the GPU;
+#: an attention backend may cap it lower (`max_graph_tokens`)
+MAX_BUDGET = 32768
 
 _POW2_SPEC = re.compile(r"pow2:\s*(\d+)\s*-\s*(\d+)")
 
@@ -241,20 +246,8 @@ class BucketTable:
         flush()
         return packs
 
-    def assign(self, num_replicas: int) -> dict[BucketKey, int]:
-        """Owner replica (0..num_replicas-1) of each bucket, for the request router.
 
-        Rule: rank buckets from the largest budget down; the bucket of rank r goes to replica
-        r % num_replicas. The biggest (most memory-hungry) graphs thus land on different replicas, each
-        replica owns every num_replicas-th bucket, and owned-bucket counts differ by at most one. With more
-        replicas than buckets, replicas >= len(self) own nothing. Depends only on the keys and
-        num_replicas, so every router process computes the same map.
-        """
-        replicas = _positive_int(num_replicas, "num_replicas")
-        return {key: rank % replicas for rank, key in enumerate(reversed(self._keys))}
-
-
-def default_table(max_budget: int = 32768, min_budget: int = 256) -> BucketTable:
+def default_table(max_budget: int = MAX_BUDGET, min_budget: int = 256) -> BucketTable:
     """The engine's default: one 224x224 image (`min_budget`: 256 patches at patch 14, 196 at patch 16)
     times the powers of two, up to `max_budget` patches (a batch that fills the GPU); up to one image per
     64 patches (112x112), at most 256 images per replay. Budgets on a model's own 224^2 unit keep common

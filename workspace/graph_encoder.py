@@ -1,10 +1,7 @@
 """`GraphEncoder`: a `VisionEncoder` whose forward runs through the bucket graphs.
 
-Fixed-resolution towers (CLIP, SigLIP): every image is L patches, so buckets are image counts. The
-default table is 1, 2, 4, ..., 256 images (budget n * L patches), capped by the attention backend's
-`max_graph_tokens`; a table or spec given in patch budgets (the service's `buckets`, the batch
-jobs') is converted: each bucket becomes the whole images it holds (`min(max_images, budget // L)`),
-buckets holding none are dropped, and if none is left one single-image bucket is used.
+Its table is `workspace.tables.engine_table` of the model, the given `buckets` and the attention backend's
+`max_graph_tokens` (fixed-resolution towers: image-count tables; see that module).
 """
 
 from __future__ import annotations
@@ -14,12 +11,8 @@ import torch
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
-from encoder.preprocess import num_patches
-from workspace.buckets import BucketKey, BucketTable, default_table
 from workspace.runner import GraphRunner
-
-#: most images one replay of a fixed-resolution tower holds in the default table
-MAX_GRAPH_IMAGES = 256
+from workspace.tables import engine_table, shape_of_encoder
 
 
 def max_image_patches(enc: VisionEncoder) -> int:
@@ -28,48 +21,6 @@ def max_image_patches(enc: VisionEncoder) -> int:
         return enc.model.patches_per_image
     pp = enc.preprocess_config
     return pp.max_pixels // (pp.patch_size**2)
-
-
-def unit_patches(pp) -> int:
-    """Patches of one 224x224 image after the model's resize rule (256 at patch 14, 196 at patch 16):
-    the smallest bucket of the default table."""
-    return num_patches(224, 224, pp)
-
-
-def variable_table(pp, buckets=None, max_tokens: int | None = None, granule: int = 4) -> BucketTable:
-    """The table of a variable-resolution tower: `default_table` on the model's 224^2 unit (at most
-    `max_tokens` patches per replay) when `buckets` is None, else the given table or spec."""
-    if buckets is None:
-        return default_table(max_budget=min(32768, max_tokens or 32768), min_budget=unit_patches(pp))
-    if isinstance(buckets, BucketTable):
-        return buckets
-    return BucketTable.parse(buckets, granule=granule)
-
-
-def image_count_table(counts, patches_per_image: int) -> BucketTable:
-    """Buckets of `counts` images each (budget = n * patches_per_image), for a fixed-resolution tower."""
-    return BucketTable(BucketKey(n * patches_per_image, n) for n in sorted(set(counts)))
-
-
-def fixed_table(patches_per_image: int, buckets=None, max_tokens: int | None = None) -> BucketTable:
-    """The image-count table of a fixed-resolution tower (see the module docstring).
-
-    `buckets`: None (powers of two up to `MAX_GRAPH_IMAGES` images, at most `max_tokens` patches per
-    replay), a `BucketTable`, a spec `BucketTable.parse` accepts, or a list of (budget, max_images).
-    """
-    per = patches_per_image
-    if buckets is None:
-        limit = max(1, min(MAX_GRAPH_IMAGES, (max_tokens or per * MAX_GRAPH_IMAGES) // per))
-        counts = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
-        return image_count_table([*counts, limit], per)
-    if isinstance(buckets, BucketTable):
-        table = buckets
-    elif isinstance(buckets, list | tuple) and all(isinstance(k, list | tuple) and len(k) == 2 for k in buckets):
-        table = BucketTable(BucketKey(b, m) for b, m in buckets)
-    else:
-        table = BucketTable.parse(buckets)
-    counts = {min(k.max_images, k.budget // per) for k in table.keys} - {0}
-    return image_count_table(counts or {1}, per)
 
 
 def to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -144,15 +95,8 @@ class GraphEncoder:
             # exact layout changes (zero-padded MLP width, fused GEMMs) built as new modules;
             # the eager encoder shares the model and stays equal
             tower.fuse(pad_mlp)
-        limit = max_image_patches(vision_encoder)
-        if tower.patches_per_image is not None:
-            cap = tower.backend.max_graph_tokens
-            table = fixed_table(tower.patches_per_image, buckets, cap if buckets is None else None)
-        else:
-            cap = tower.backend.max_graph_tokens if buckets is None else None
-            table = variable_table(vision_encoder.preprocess_config, buckets, cap, granule=tower.merge_unit)
-        self.table = table
-        self.runner = GraphRunner(tower, table, max_image_patches=limit, debug=debug)
+        self.table = engine_table(shape_of_encoder(vision_encoder), buckets, tower.backend.max_graph_tokens)
+        self.runner = GraphRunner(tower, self.table, max_image_patches=max_image_patches(vision_encoder), debug=debug)
 
     @property
     def config(self):

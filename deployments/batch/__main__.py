@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         "--batch-size",
         type=_positive,
         default=None,
-        help="rows per encoder batch (default: ~2 largest buckets of patches at the sampled image size)",
+        help="rows per encoder batch (default: ~2 actor batches of patches at the sampled image size)",
     )
     p.add_argument(
         "--part-rows",

@@ -27,7 +27,7 @@ Output columns with `pooling="none"` (one row per image; every column null or 0 
     layer k.
 
 Ray Data batches by rows, so rows per encoder batch are chosen from the typical patch count
-(about two largest buckets of patches per batch); inside a batch the actor re-orders images by the
+(about two of the actor's batches of patches: `rows_per_batch`); inside a batch the actor re-orders images by the
 bucket table. Rows out = rows in, in any order; every non-image column is passed through.
 """
 
@@ -47,7 +47,7 @@ import pyarrow as pa
 import torch
 
 import encoder
-from encoder.api import POOLINGS, is_fixed_resolution, vector_pooling
+from encoder.api import POOLINGS, select_backend, vector_pooling
 from encoder.api import preprocess_config_for as model_preprocess_config
 from encoder.checkpoint import load_config
 from encoder.config import VisionConfig
@@ -57,7 +57,8 @@ from encoder.preprocess import PreprocessConfig, load_image, patchify
 from encoder.preprocess_vit import num_patches_for, resize_image_for
 from encoder.presets import preset
 from workspace.buckets import BucketKey, BucketTable
-from workspace.graph_encoder import GraphEncoder, fixed_table, variable_table
+from workspace.graph_encoder import GraphEncoder
+from workspace.tables import BucketPlan, process_plan, shape_of_config, shape_of_encoder
 
 # Internal columns between the stages; never in the output.
 PIXELS = "_ve_pixels"  # large_binary: uint8 H*W*3, row-major RGB, at the model's size
@@ -76,11 +77,6 @@ GRID_W = "grid_w"
 GRID_THW = "grid_thw"
 DEEPSTACK = "deepstack"
 OUTPUT_COLUMNS = (EMBEDDING, ERROR, NUM_TOKENS, GRID_T, GRID_H, GRID_W, GRID_THW, DEEPSTACK)
-
-# Without CUDA nothing is captured and every pack runs eagerly, padded to its bucket; the reference
-# attention's cost grows with the square of the bucket budget, so small buckets are much faster on a
-# CPU (300 small images: 8 s with these, 127 s with the default 256..32768 table).
-CPU_BUCKETS = "256,512"
 
 
 # ------------------------------------------------------------------------------------- configuration
@@ -115,39 +111,38 @@ def resolve_pooling(pooling: str | None, model: str) -> str:
     return encoder.api.resolve_pooling(pooling, config)
 
 
-def effective_buckets(buckets: Any, gpus: int) -> Any:
-    """The bucket spec the encoder actors use: the caller's, else the default table (CPU_BUCKETS without GPUs)."""
-    return CPU_BUCKETS if buckets is None and gpus == 0 else buckets
+def actor_device(gpus: int) -> str:
+    """The device the encoder actors run on: one GPU each when the job has GPUs."""
+    return "cuda" if gpus > 0 else "cpu"
 
 
-def bucket_table_for(model: str, buckets: Any = None) -> BucketTable:
-    """The bucket table a `GraphEncoder(load(model), buckets)` would use (driver side, no weights)."""
-    if isinstance(buckets, BucketTable):
-        return buckets
-    if _is_key_list(buckets):
-        return BucketTable([BucketKey(b, m) for b, m in buckets])
-    config = config_for(model)
-    if is_fixed_resolution(config):
-        return fixed_table(config.num_patches, buckets)
-    return variable_table(preprocess_config_for(model), buckets, granule=config.merge_unit)
+def _graph_cap(model: str, device: str, dtype: str | None, attention: str | None) -> int | None:
+    return select_backend(config_for(model), device, dtype, attention).max_graph_tokens
 
 
-def _is_key_list(buckets: Any) -> bool:
-    return isinstance(buckets, list | tuple) and all(isinstance(k, list | tuple) and len(k) == 2 for k in buckets)
+def actor_graph_cap(model: str, device: str, dtype: str | None = None, attention: str | None = None) -> int | None:
+    """`max_graph_tokens` of the attention backend the encoder actors will load. Which backends are usable
+    depends on the machine, so a driver that cannot see CUDA asks a GPU worker once."""
+    if device == "cuda" and not torch.cuda.is_available():
+        import ray
+
+        return ray.get(ray.remote(num_gpus=1)(_graph_cap).remote(model, device, dtype, attention))
+    return _graph_cap(model, device, dtype, attention)
 
 
-def portable_buckets(buckets: Any) -> Any:
-    """A picklable bucket spec (BucketTable refuses pickling): a table becomes [(budget, max_images)]."""
-    if isinstance(buckets, BucketTable):
-        return [(k.budget, k.max_images) for k in buckets]
-    return buckets
+def actor_plan(model: str, device: str, buckets: Any = None, max_graph_tokens: int | None = None) -> BucketPlan:
+    """The bucket table (and batch limits) of an encoder actor on `device`, from the model's config alone:
+    the same `workspace.tables.process_plan` the actor itself calls."""
+    return process_plan(
+        shape_of_config(config_for(model), preprocess_config_for(model)), device, buckets,
+        max_graph_tokens=max_graph_tokens,
+    )  # fmt: skip
 
 
-def rows_per_batch(table: BucketTable, typical_patches: int, fill: int = 2) -> int:
-    """Rows per encoder batch so a batch holds about `fill` largest buckets of patches."""
-    largest = table.largest
-    rows = round(fill * largest.budget / max(1, typical_patches))
-    return int(min(max(rows, 1), fill * largest.max_images))
+def rows_per_batch(plan: BucketPlan, typical_patches: int, fill: int = 2) -> int:
+    """Rows per encoder batch so a batch holds about `fill` batches' worth of patches of the actor's limits."""
+    rows = round(fill * plan.max_batch_patches / max(1, typical_patches))
+    return int(min(max(rows, 1), fill * plan.max_batch_images))
 
 
 def gpus_in_cluster() -> int:
@@ -362,6 +357,7 @@ class EncoderActor:
         dtype: str | None = None,
         attention: str | None = None,
         preprocess_config: PreprocessConfig | None = None,
+        expected_table: BucketTable | None = None,
     ):
         start = time.perf_counter()
         self.pooling = resolve_pooling(pooling, model)
@@ -369,9 +365,16 @@ class EncoderActor:
         if preprocess_config is not None and preprocess_config != self.vision.preprocess_config:
             raise InvalidArgumentError("the decode stage's preprocessing differs from the model's (driver/actor drift)")
         self.pp = self.vision.preprocess_config
-        if _is_key_list(buckets):
-            buckets = BucketTable([BucketKey(b, m) for b, m in buckets])
-        self.engine = GraphEncoder(self.vision, buckets)
+        self.plan = process_plan(
+            shape_of_encoder(self.vision), self.vision.device.type, buckets,
+            max_graph_tokens=self.vision.model.backend.max_graph_tokens,
+        )  # fmt: skip
+        if expected_table is not None and self.plan.table != expected_table:
+            raise InvalidArgumentError(
+                f"the driver sized batches for the bucket table {expected_table}, but this actor has "
+                f"{self.plan.table} (driver/actor drift: another attention backend or device here?)"
+            )
+        self.engine = GraphEncoder(self.vision, self.plan.table)
         self.device = self.vision.device
         self.dim = self.vision.output_dim(self.pooling)
         self.deepstack_layers = deepstack_layers(self.vision.config) if self.pooling == "none" else 0
@@ -568,15 +571,15 @@ def embed_dataset(
     if schema is not None and image_column not in schema.names:
         raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
     gpus = gpus_in_cluster() if num_gpus is None else int(num_gpus)
-    buckets = effective_buckets(buckets, gpus)
-    table = bucket_table_for(model, buckets)
+    device = actor_device(gpus)
+    plan = actor_plan(model, device, buckets, actor_graph_cap(model, device, dtype, attention))
     root = str(Path.cwd()) if path_root is None else str(path_root)
     if batch_size is None:
         if typical_patches is None:
             sample = ds.select_columns([image_column]).limit(32).take_batch(32, batch_format="pyarrow")
             kind = image_column_kind(sample.schema.field(image_column).type)
             typical_patches = typical_patches_of(sample.column(image_column).to_pylist(), kind, pp, root)
-        batch_size = rows_per_batch(table, typical_patches)
+        batch_size = rows_per_batch(plan, typical_patches)
     if batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
 
@@ -603,10 +606,11 @@ def embed_dataset(
         fn_constructor_kwargs={
             "model": model,
             "pooling": pooling,
-            "buckets": portable_buckets(buckets),
+            "buckets": buckets,
             "dtype": dtype,
             "attention": attention,
             "preprocess_config": pp,
+            "expected_table": plan.table,
         },
         compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=2),
         num_gpus=1 if gpus > 0 else 0,

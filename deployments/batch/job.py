@@ -35,11 +35,12 @@ from encoder.errors import InvalidArgumentError
 
 from .dataset import (
     ERROR,
-    bucket_table_for,
+    actor_device,
+    actor_graph_cap,
+    actor_plan,
     check_input_schema,
     config_for,
     deepstack_layers,
-    effective_buckets,
     embed_dataset,
     gpus_in_cluster,
     image_column_kind,
@@ -438,8 +439,9 @@ def _run_parts(cfg, files, todo, out, manifest, summary, id_column) -> None:
     batch_size = cfg.batch_size
     if batch_size is None:
         typical = _sample_typical_patches(cfg, files, todo[0])
-        table = bucket_table_for(cfg.model, effective_buckets(cfg.buckets, gpus))
-        batch_size = rows_per_batch(table, typical)
+        device = actor_device(gpus)
+        plan = actor_plan(cfg.model, device, cfg.buckets, actor_graph_cap(cfg.model, device, cfg.dtype, cfg.attention))
+        batch_size = rows_per_batch(plan, typical)
     units = read_units(files, todo)
     ds = ray.data.from_items([{"unit": json.dumps(u)} for u in units], override_num_blocks=len(units))
     ds = ds.map_batches(read_batch, batch_format="pyarrow", batch_size=None, udf_modifying_row_count=True)
