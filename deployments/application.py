@@ -9,6 +9,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from .config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from .ingress import VisionIngress
+from .ray_compat import check_ray
 from .replica import EncoderReplica
 
 logger = logging.getLogger("ray.serve")
@@ -20,6 +21,7 @@ def build_app(args: dict | AppArgs | None = None):
     `args`: an `AppArgs` or a dict of its fields (strings from the Serve CLI are coerced).
     `serve run deployments:build_app model=tiny num_replicas=2`.
     """
+    check_ray()
     a = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args or {}))
     gpus = resolve_num_gpus(a)
     # Replicas re-derive the device from the same args, so pin the GPU decision made here.

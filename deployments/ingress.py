@@ -18,11 +18,8 @@ retries in `deployments.limits`; the API key and URL policy in `deployments.secu
 # No `from __future__ import annotations` here: FastAPI must see the request model class itself in the
 # route signatures of the Serve ingress class.
 import asyncio
-import contextvars
-import dataclasses
 import logging
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +52,7 @@ from .limits import Admission, call_with_retries, check_content_type, check_requ
 from .llm_outputs import check_dtype, handle_item
 from .metrics import IngressMetrics, RecentTimings, rss_bytes
 from .openai_api import EmbeddingRequest, api, embeddings_body, error_response, parse_embedding_request
+from .ray_compat import by_reference, call_as_new_request, check_ray
 from .security import ApiKeyAuth, UrlFetcher
 
 logger = logging.getLogger("ray.serve")
@@ -96,26 +94,6 @@ class Call:
     @property
     def patches(self) -> int:
         return sum(self.counts)
-
-
-def remote_call(method, *args, **kwargs):
-    """`method.remote(*args, **kwargs)` as a request of its own (a fresh internal request id).
-
-    Serve gives every handle call made while serving a request that request's internal id, and a
-    request router that does not fulfil pending requests in FIFO order (the BucketRouter) matches the
-    replica it found to the pending request by that id: two concurrent encoder calls of one ingress
-    request (a split request, a merged batch of several HTTP requests) share it, one gets both
-    assignments and the other waits forever. A copied context with a new id keeps them apart.
-    """
-    from ray.serve import context as serve_context
-
-    def call():
-        current = serve_context._get_serve_request_context()
-        own = dataclasses.replace(current, _internal_request_id=str(uuid.uuid4()))
-        serve_context._serve_request_context.set(own)
-        return method.remote(*args, **kwargs)
-
-    return contextvars.copy_context().run(call)
 
 
 _ANSWER_COUNTS = {
@@ -186,11 +164,12 @@ class VisionIngress:
     """HTTP routes (`/v1/embeddings`, `/v1/models`, `/health`) and the handle method `embed`."""
 
     def __init__(self, encoder: DeploymentHandle, args: dict):
+        check_ray()
         self.args = a = AppArgs.model_validate(args)
         self._encoder = encoder
         # Big payloads go through Ray's object store (shared memory on one node, no gRPC message cap) even
         # when Serve sends requests over gRPC (RAY_SERVE_THROUGHPUT_OPTIMIZED=1); small ones stay inline.
-        self._encoder_by_ref = encoder.options(_by_reference=True)
+        self._encoder_by_ref = by_reference(encoder)
         self._model_name = a.model_name
         self._pool = ThreadPoolExecutor(a.decode_threads, thread_name_prefix="decode")
         self._info: dict | None = None
@@ -234,7 +213,7 @@ class VisionIngress:
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    info = await self._retrying(lambda: remote_call(self._encoder.describe))
+                    info = await self._retrying(lambda: call_as_new_request(self._encoder.describe))
                     model_pp = preprocess_config_from_dump(info["preprocess"])
                     info["preprocess_config"] = ingress_preprocess_config(
                         model_pp, self.args.max_image_pixels, self.args.image_formats
@@ -345,8 +324,8 @@ class VisionIngress:
             handle = self._encoder_by_ref if sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES else self._encoder
             n = sum(counts[s:e])
             if llm is not None:
-                return lambda: remote_call(handle.encode_llm_pixels, arrays[s:e], dtype=llm, num_patches=n)
-            return lambda: remote_call(handle.encode_pixels, arrays[s:e], pooling=pooling, num_patches=n)
+                return lambda: call_as_new_request(handle.encode_llm_pixels, arrays[s:e], dtype=llm, num_patches=n)
+            return lambda: call_as_new_request(handle.encode_pixels, arrays[s:e], pooling=pooling, num_patches=n)
 
         self._counts["encoder_requests"] += len(parts)
         if len(parts) == 1:

@@ -94,12 +94,14 @@ and starts routing requests in arrival order.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import logging
 import math
 import operator
 import random
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -117,6 +119,8 @@ from ray.serve.request_router import (
 
 from workspace.buckets import BucketError, BucketKey, BucketTable
 from workspace.tables import router_fallback_table
+
+from .ray_compat import SelectionHook, check_ray, queue_len_cache_enabled
 
 __all__ = [
     "STATS_BUCKETS",
@@ -351,10 +355,11 @@ class RoutingPlan:
 # -- the router -------------------------------------------------------------------------------------------
 
 
-class BucketRouter(LocalityMixin, RequestRouter):
+class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
     """Bucket-affinity routing with queue-length balancing and spill; see the module docstring."""
 
     def __init__(self, *args, **kwargs):
+        check_ray()
         super().__init__(*args, **kwargs)
         self._config = BucketRouterConfig()
         self._fallback_table = self._config.default_table()
@@ -367,8 +372,10 @@ class BucketRouter(LocalityMixin, RequestRouter):
         # serving one ingress request can share Serve's internal request id
         self._inflight: dict[tuple[ReplicaID, int], int] = {}
         self._routed_seq = itertools.count()
-        # Selections already counted in Ray's queue-length cache but not yet sent (see _select_...).
+        # Selections already counted in Ray's queue-length cache but not yet sent (on_replica_selected).
         self._booked: defaultdict[ReplicaID, int] = defaultdict(int)
+        # Owner-only routing rounds a pending request has had, by id of its routing context
+        self._owner_rounds: dict[int, int] = {}
 
     # -- lifecycle hooks Ray calls ------------------------------------------------------------------
 
@@ -393,25 +400,21 @@ class BucketRouter(LocalityMixin, RequestRouter):
         for rid in [rid for rid in self._booked if rid not in live]:
             del self._booked[rid]
 
-    async def _select_from_candidate_replicas(
-        self, candidates: list[RunningReplica], backoff_index: int
-    ) -> RunningReplica | None:
-        """Ray's pick (lowest cached queue in the group), then count it in the cache at once.
+    def on_replica_selected(self, replica: RunningReplica) -> None:
+        """Count Ray's pick in its queue-length cache at once (`ray_compat.SelectionHook`).
 
         Ray bumps its queue-length cache only when the request is sent, after the waiting caller
         resumes; one routing task can route a whole burst of pending requests before that, all
         against the same stale lengths, so the spill threshold would be overshot by the burst. The
         selection is counted here instead, and the bump of the following `on_send_request` skipped.
-        (Overrides a private hook of Ray 2.60's RequestRouter; if Ray renames it, this is simply
-        not called and routing falls back to Ray's later bookkeeping.)
         """
-        replica = await super()._select_from_candidate_replicas(candidates, backoff_index)
-        if replica is not None and self._use_replica_queue_len_cache:
-            queue_len = self._replica_queue_len_cache.get(replica.replica_id)
-            if queue_len is not None:
-                self._replica_queue_len_cache.update(replica.replica_id, queue_len + 1)
-                self._booked[replica.replica_id] += 1
-        return replica
+        if not queue_len_cache_enabled(self):
+            return
+        cache = self.replica_queue_len_cache
+        queue_len = cache.get(replica.replica_id)
+        if queue_len is not None:
+            cache.update(replica.replica_id, queue_len + 1)
+            self._booked[replica.replica_id] += 1
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         booked = self._booked.get(replica_id, 0)
@@ -435,7 +438,7 @@ class BucketRouter(LocalityMixin, RequestRouter):
         key = (replica_id, next(self._routed_seq))
         self._inflight[key] = size[0]
         self._inflight_patches[replica_id] += size[0]
-        loop = self._event_loop
+        loop = asyncio.get_running_loop()  # Ray calls this from its routing coroutine, on the router's loop
         # The result's callbacks fire on a Ray or gRPC thread; hop onto the router's loop.
         result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, key))
 
@@ -512,7 +515,7 @@ class BucketRouter(LocalityMixin, RequestRouter):
         return 2 * plan.table.largest.budget if configured is None else configured
 
     def is_saturated(self, replica: RunningReplica, plan: RoutingPlan) -> bool:
-        queue_len = self._replica_queue_len_cache.get(replica.replica_id)  # None: unknown, Ray will probe
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)  # None: unknown, Ray will probe
         if queue_len is not None and queue_len >= self.spill_queue_len(replica):
             return True
         limit = self.spill_patches(plan)
@@ -538,7 +541,7 @@ class BucketRouter(LocalityMixin, RequestRouter):
         idle_spill = self._config.idle_spill_queue_len
         for replica in candidate_replicas:
             owner = replica.replica_id in owners
-            queue_len = self._replica_queue_len_cache.get(replica.replica_id)
+            queue_len = self.replica_queue_len_cache.get(replica.replica_id)
             if replica.replica_id in plan.not_ready:
                 not_ready.append(replica)
             elif self.is_saturated(replica, plan):
@@ -552,11 +555,13 @@ class BucketRouter(LocalityMixin, RequestRouter):
                 others_ok.append(replica)
         if pending_request is not None:
             context = pending_request.routing_context
-            rounds = getattr(context, "bucket_owner_rounds", 0)
+            rounds = self._owner_rounds.get(id(context), 0)
             first = owners_light or (owners_ok if not others_idle else [])
             if first and rounds < self._config.owner_only_rounds:
                 # Owners only, and no backoff: Ray retries at once with a doubled probe deadline.
-                context.bucket_owner_rounds = rounds + 1
+                if not rounds:  # forgotten with the request's routing context
+                    weakref.finalize(context, self._owner_rounds.pop, id(context), None)
+                self._owner_rounds[id(context)] = rounds + 1
                 context.should_backoff = False
                 return [first]
             # Every replica is in some group: if none had room, back off before the next round.

@@ -1,0 +1,118 @@
+"""Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
+
+Ray Serve's public API covers the rest; these four have no public equivalent in Ray 2.60 (the range tested
+is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
+
+* `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
+  made while serving a request that request's internal id, and a router that does not fulfil pending
+  requests in FIFO order (the `BucketRouter`) has its result matched to the pending request by that id:
+  two concurrent encoder calls of one ingress request (a split request, a merged batch of several HTTP
+  requests) share it, one gets both assignments and the other waits forever. Tried instead: the router
+  matching the pending request itself (that is Ray's private `_fulfill_next_pending_request`; its
+  `FIFOMixin` hands replicas to the oldest request whatever its bucket, undoing the affinity); a call in
+  an empty `contextvars.Context` (also drops the user-facing request id that Serve's logs correlate by).
+* `by_reference(handle)`: `options(_by_reference=True)`, so big payloads go through the object store even
+  when Serve sends requests over gRPC (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, whose gRPC messages have a cap).
+* `SelectionHook`: a mixin for `RequestRouter` subclasses that calls `on_replica_selected(replica)` after
+  Ray's own pick (its private `_select_from_candidate_replicas`), which the `BucketRouter` uses to count
+  a selection in the queue-length cache at once rather than when the request is sent.
+* `queue_len_cache_enabled(router)`: whether Ray keeps that cache at all (`_use_replica_queue_len_cache`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import inspect
+import logging
+import uuid
+from functools import cache
+
+import ray
+from ray.serve import context as serve_context
+from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import RequestRouter
+
+logger = logging.getLogger("ray.serve")
+
+TESTED_RAY = ((2, 60), (2, 61))  # [low, high) of (major, minor): what pyproject.toml pins
+
+
+class RayCompatError(RuntimeError):
+    """The installed Ray lacks a private API this service relies on."""
+
+
+def _missing() -> list[str]:
+    """The private APIs (as `module.name`) the installed Ray does not have."""
+    missing = []
+    if not callable(getattr(serve_context, "_get_serve_request_context", None)):
+        missing.append("ray.serve.context._get_serve_request_context")
+    elif "_internal_request_id" not in {f.name for f in dataclasses.fields(serve_context._RequestContext)}:
+        missing.append("ray.serve.context._RequestContext._internal_request_id")
+    if not isinstance(getattr(serve_context, "_serve_request_context", None), contextvars.ContextVar):
+        missing.append("ray.serve.context._serve_request_context")
+    if "_by_reference" not in inspect.signature(DeploymentHandle.options).parameters:
+        missing.append("ray.serve.handle.DeploymentHandle.options(_by_reference=...)")
+    if not inspect.iscoroutinefunction(getattr(RequestRouter, "_select_from_candidate_replicas", None)):
+        missing.append("ray.serve.request_router.RequestRouter._select_from_candidate_replicas")
+    if "_use_replica_queue_len_cache" not in RequestRouter.__init__.__code__.co_names:
+        missing.append("ray.serve.request_router.RequestRouter._use_replica_queue_len_cache")
+    return missing
+
+
+def _version() -> tuple[int, int]:
+    major, minor, *_ = ray.__version__.split(".")
+    return int(major), int(minor)
+
+
+@cache
+def check_ray() -> None:
+    """Raise `RayCompatError` naming what is missing when the installed Ray lacks an API above; warn when
+    it has them all but lies outside the tested range. Cached: one check per process."""
+    (low, high), version = TESTED_RAY, _version()
+    missing = _missing()
+    tested = f"ray>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    if missing:
+        raise RayCompatError(
+            f"ray {ray.__version__} lacks private APIs this service relies on ({', '.join(missing)}); "
+            f"install {tested} (deployments/ray_compat.py says why each is needed)"
+        )
+    if not low <= version < high:
+        logger.warning("ray %s is outside the tested range %s; its private APIs are present", ray.__version__, tested)
+
+
+def call_as_new_request(method, *args, **kwargs):
+    """`method.remote(*args, **kwargs)` as a request of its own: the current Serve request context with a
+    fresh internal request id (see the module docstring)."""
+
+    def call():
+        current = serve_context._get_serve_request_context()
+        own = dataclasses.replace(current, _internal_request_id=str(uuid.uuid4()))
+        serve_context._serve_request_context.set(own)
+        return method.remote(*args, **kwargs)
+
+    return contextvars.copy_context().run(call)
+
+
+def by_reference(handle: DeploymentHandle) -> DeploymentHandle:
+    """The handle sending its arguments through the object store (see the module docstring)."""
+    return handle.options(_by_reference=True)
+
+
+def queue_len_cache_enabled(router: RequestRouter) -> bool:
+    """Whether Ray keeps the router's queue-length cache (on unless RAY_SERVE disables it)."""
+    return router._use_replica_queue_len_cache
+
+
+class SelectionHook:
+    """Mixin for a `RequestRouter` subclass (list it first): `on_replica_selected(replica)` runs right after
+    Ray picked the replica for a request, before Ray's routing task sends anything."""
+
+    async def _select_from_candidate_replicas(self, candidates, backoff_index: int):
+        replica = await super()._select_from_candidate_replicas(candidates, backoff_index)
+        if replica is not None:
+            self.on_replica_selected(replica)
+        return replica
+
+    def on_replica_selected(self, replica) -> None:
+        """Ray chose `replica` for a pending request."""
