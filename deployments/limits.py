@@ -1,22 +1,16 @@
-"""Request limits, admission control and retries of the ingress (README "Limits, errors and security").
+"""Request limits and admission control of the ingress (README "Limits, errors and security").
 
 * `check_content_type`, `read_body`: JSON bodies only, with the byte limit enforced from Content-Length
   and while reading; `check_request_patches`: the patch total of one request.
 * `Admission`: an in-flight request counter with immediate rejection (the ingress answers 429 at once
   instead of queueing without bound).
-* `call_with_retries`: retries an idempotent encoder call when its replica died or is unavailable.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from ray.serve.exceptions import BackPressureError
 
-from .errors import UNAVAILABLE_ERRORS, ErrorCode, RequestError
-
-T = TypeVar("T")
+from .errors import ErrorCode, RequestError
 
 
 def check_request_patches(total: int, limit: int) -> None:
@@ -98,31 +92,6 @@ class Admission:
     def leave(self) -> None:
         self.inflight -= 1
 
-
-# ------------------------------------------------------------------------------------------ retries
-
-
-def backoff_s(attempt: int, base_s: float, cap_s: float = 2.0) -> float:
-    """Delay before retry `attempt` (1-based): base * 2^(attempt-1), capped, with +-50% jitter."""
-    return min(cap_s, base_s * 2 ** (attempt - 1)) * (0.5 + random.random())
-
-
-async def call_with_retries(
-    call: Callable[[], Awaitable[T]],
-    retries: int,
-    base_s: float,
-    on_retry: Callable[[BaseException, int], None] | None = None,
-) -> T:
-    """`await call()`, again (at most `retries` times, with backoff) when it fails with an unavailable-replica
-    error. Only for idempotent calls. Other errors (the request's own, backpressure) propagate at once."""
-    attempt = 0
-    while True:
-        try:
-            return await call()
-        except UNAVAILABLE_ERRORS as e:
-            if attempt >= retries:
-                raise
-            attempt += 1
-            if on_retry is not None:
-                on_retry(e, attempt)
-            await asyncio.sleep(backoff_s(attempt, base_s))
+    def overloaded(self, retry_after_s: float) -> BackPressureError:
+        """The error a request refused by `try_enter` gets: 429 with Retry-After."""
+        return BackPressureError(self.inflight, self.limit, status_code=429, retry_after_s=retry_after_s)

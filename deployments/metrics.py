@@ -75,6 +75,47 @@ class IngressMetrics:
         self.latency.observe(seconds * 1000.0, tags={"route": route})
 
 
+# ingress counters of error answers, by metrics outcome
+_ANSWER_COUNTS = {
+    "client_error": "client_errors",
+    "overloaded": "rejected",
+    "timeout": "timed_out",
+    "server_error": "server_errors",
+}
+
+
+class IngressTelemetry:
+    """Everything an ingress replica records about its requests, behind one object: the Prometheus
+    metrics (`metrics`), counters for `ingress_stats()` (`count`, `answered`) and, per route, the phases of
+    the last requests (`timings`: parse, decode, encoder call, answer)."""
+
+    def __init__(self) -> None:
+        self.metrics = IngressMetrics()
+        self.timings = {"http": RecentTimings(), "handle": RecentTimings(), "inline_decode": RecentTimings()}
+        self.counts = {
+            "merged_calls": 0,
+            "merged_batches": 0,
+            "encoder_requests": 0,
+            "encoder_retries": 0,
+            "encoder_backpressure": 0,
+            # HTTP error answers: 4xx (but 408/429), 429/503, 408/504, other 5xx
+            **dict.fromkeys(_ANSWER_COUNTS.values(), 0),
+        }
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+    def answered(self, outcome: str) -> None:
+        """An HTTP error answer with this metrics outcome."""
+        self.counts[_ANSWER_COUNTS[outcome]] += 1
+
+    def request(self, route: str, outcome: str, images: int, patches: int, seconds: float) -> None:
+        self.metrics.request(route, outcome, images, patches, seconds)
+
+    def snapshot(self) -> dict:
+        return dict(self.counts) | {"timings_ms": {route: t.p50_ms() for route, t in self.timings.items()}}
+
+
 class ReplicaMetrics:
     """What the encoder replica does with its batches (deltas of `GraphEncoder.stats()`)."""
 

@@ -16,9 +16,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from deployments.config import DEFAULT_IMAGE_FORMATS, AppArgs
+from deployments.encoder_calls import call_with_retries
 from deployments.errors import ErrorCode, RequestError, classify
 from deployments.inputs import finish_input, ingress_preprocess_config, open_input
-from deployments.limits import Admission, call_with_retries, check_content_type, check_request_patches
+from deployments.limits import Admission, check_content_type, check_request_patches
 from deployments.metrics import rss_bytes
 from deployments.openai_api import error_response, parse_embedding_request
 from deployments.security import ApiKeyAuth, UrlFetcher, host_allowed

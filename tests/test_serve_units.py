@@ -16,10 +16,11 @@ from pydantic import ValidationError
 
 from deployments.batching import ContinuousBatcher
 from deployments.config import AppArgs, replica_plan, resolve_device, resolve_num_gpus
+from deployments.encoder_calls import chunk
 from deployments.errors import ErrorCode, RequestError, classify, with_index
-from deployments.ingress import chunk, encoder_ready
 from deployments.inputs import finish_input, open_input, parse_image_string
 from deployments.openai_api import embeddings_body
+from deployments.readiness import encoder_ready
 from deployments.replica import Work, check_pixels
 from encoder.errors import (
     ConfigError,
@@ -356,7 +357,7 @@ def test_replica_keeps_the_prefix_with_the_best_patches_per_replay_cost():
 
 
 def test_ingress_decodes_only_small_pictures_on_its_event_loop():
-    from deployments.ingress import _INLINE_DECODE_PIXELS, _small
+    from deployments.decoding import _INLINE_DECODE_PIXELS, _small
     from deployments.inputs import source_pixels as _source_pixels
 
     small_png = encode(random_image("RGB", 224, 224, 1), "PNG")

@@ -1,0 +1,195 @@
+"""How the ingress calls the encoder replicas: request merging, splitting and retries.
+
+`EncoderClient.encode(arrays, pooling, llm)` sends resized uint8 images to the encoder deployment with
+`encode_pixels(pixels, pooling=..., num_patches=n)` (pooled vectors) or `encode_llm_pixels(pixels, dtype=...,
+num_patches=n)` (per-token LLM-ready outputs in a wire dtype):
+
+* merging (`ingress_batch_size` > 1): calls that arrive while `ingress_max_concurrent_batches` merged
+  requests are in flight wait and go together in the next one (no timer: an idle call goes out at once),
+  so many one-image clients cost the encoder replica few Serve requests;
+* splitting: a request above the encoder's batch limits goes as several calls (`chunk`);
+* retries: a call whose replica died or is unavailable is retried with backoff (encoding is idempotent);
+* transport: payloads above 2 MiB of pixels go by reference (the object store), smaller ones inline.
+
+`info()` is the encoder's `describe()`, fetched once, with the application's decode limits wired into its
+preprocessing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from encoder.preprocess_vit import preprocess_config_from_dump
+
+from .batching import ContinuousBatcher
+from .config import AppArgs
+from .errors import UNAVAILABLE_ERRORS
+from .inputs import ingress_preprocess_config
+from .metrics import IngressTelemetry
+from .ray_compat import by_reference, call_as_new_request
+
+logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
+
+# Encoder requests with more pixel bytes than this go by reference (object store), not inline over gRPC.
+_INLINE_BYTES = 2 * 2**20
+
+
+@dataclass
+class Call:
+    """One caller's images waiting to be merged with others into an encoder request."""
+
+    arrays: list[np.ndarray]
+    counts: list[int]
+    pooling: str
+    llm: str | None = None  # LLM-ready outputs in this wire dtype (`encode_llm_pixels`) instead of pooled vectors
+
+    @property
+    def patches(self) -> int:
+        return sum(self.counts)
+
+
+def chunk(counts: list[int], max_patches: int, max_images: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of consecutive images, each within the encoder's batch limits."""
+    ranges, start, total = [], 0, 0
+    for i, c in enumerate(counts):
+        if i > start and (total + c > max_patches or i - start >= max_images):
+            ranges.append((start, i))
+            start, total = i, 0
+        total += c
+    if counts:
+        ranges.append((start, len(counts)))
+    return ranges
+
+
+def backoff_s(attempt: int, base_s: float, cap_s: float = 2.0) -> float:
+    """Delay before retry `attempt` (1-based): base * 2^(attempt-1), capped, with +-50% jitter."""
+    return min(cap_s, base_s * 2 ** (attempt - 1)) * (0.5 + random.random())
+
+
+async def call_with_retries(
+    call: Callable[[], Awaitable[T]],
+    retries: int,
+    base_s: float,
+    on_retry: Callable[[BaseException, int], None] | None = None,
+) -> T:
+    """`await call()`, again (at most `retries` times, with backoff) when it fails with an unavailable-replica
+    error. Only for idempotent calls. Other errors (the request's own, backpressure) propagate at once."""
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except UNAVAILABLE_ERRORS as e:
+            if attempt >= retries:
+                raise
+            attempt += 1
+            if on_retry is not None:
+                on_retry(e, attempt)
+            await asyncio.sleep(backoff_s(attempt, base_s))
+
+
+class EncoderClient:
+    """The ingress replica's side of the encoder deployment (see the module docstring)."""
+
+    def __init__(self, encoder: DeploymentHandle, args: AppArgs, telemetry: IngressTelemetry):
+        self.args = args
+        self._encoder = encoder
+        # Big payloads go through Ray's object store (shared memory on one node, no gRPC message cap) even
+        # when Serve sends requests over gRPC (RAY_SERVE_THROUGHPUT_OPTIMIZED=1); small ones stay inline.
+        self._encoder_by_ref = by_reference(encoder)
+        self._telemetry = telemetry
+        self._info: dict | None = None
+        self._info_lock = asyncio.Lock()
+        self._merge = None
+        if args.ingress_batch_size > 1:
+            limit = args.ingress_batch_size
+            self._merge = ContinuousBatcher(
+                self._run_merged, lambda patches, images: images <= limit, args.ingress_max_concurrent_batches
+            )
+
+    async def info(self) -> dict:
+        """The encoder's `describe()` (model, out_dim, preprocessing, batch limits), fetched once; its
+        `preprocess_config` carries this application's decode limits (pixels, formats)."""
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    info = await self._retrying(lambda: call_as_new_request(self._encoder.describe))
+                    model_pp = preprocess_config_from_dump(info["preprocess"])
+                    info["preprocess_config"] = ingress_preprocess_config(
+                        model_pp, self.args.max_image_pixels, self.args.image_formats
+                    )
+                    self._info = info
+        return self._info
+
+    async def _retrying(self, make_call):
+        def retried(error: BaseException, attempt: int) -> None:
+            self._telemetry.count("encoder_retries")
+            self._telemetry.metrics.retries.inc()
+            logger.warning("encoder call failed (%s: %s); retry %d", type(error).__name__, error, attempt)
+
+        try:
+            return await call_with_retries(
+                make_call, self.args.encoder_retries, self.args.encoder_retry_backoff_s, retried
+            )
+        except BackPressureError:
+            self._telemetry.count("encoder_backpressure")
+            raise
+
+    async def encode(self, arrays: list[np.ndarray], pooling: str, llm: str | None = None) -> tuple[list, int]:
+        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`; and the patches."""
+        info = await self.info()
+        p = info["preprocess_config"].patch_size
+        counts = [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays]
+        if self._merge is not None and len(arrays) < self.args.ingress_batch_size:
+            self._telemetry.count("merged_calls")
+            return await self._merge(Call(arrays, counts, pooling, llm)), sum(counts)
+        return await self._send(arrays, counts, pooling, llm), sum(counts)
+
+    async def _send(self, arrays: list[np.ndarray], counts: list[int], pooling: str, llm: str | None = None) -> list:
+        info = await self.info()
+        parts = chunk(counts, info["max_batch_patches"], info["max_batch_images"])
+
+        def call(s: int, e: int):
+            handle = self._encoder_by_ref if sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES else self._encoder
+            n = sum(counts[s:e])
+            if llm is not None:
+                return lambda: call_as_new_request(handle.encode_llm_pixels, arrays[s:e], dtype=llm, num_patches=n)
+            return lambda: call_as_new_request(handle.encode_pixels, arrays[s:e], pooling=pooling, num_patches=n)
+
+        self._telemetry.count("encoder_requests", len(parts))
+        if len(parts) == 1:
+            return await self._retrying(call(*parts[0]))
+        results = await asyncio.gather(*(self._retrying(call(s, e)) for s, e in parts))
+        return [v for part in results for v in part]
+
+    async def _run_merged(self, calls: list[Call]) -> list[list[np.ndarray]]:
+        self._telemetry.count("merged_batches")
+        out: list[list | None] = [None] * len(calls)
+        groups: dict[tuple[str, str | None], list[int]] = {}
+        for i, c in enumerate(calls):
+            groups.setdefault((c.pooling, c.llm), []).append(i)
+
+        async def run(mode: tuple[str, str | None], members: list[int]) -> None:
+            arrays = [x for i in members for x in calls[i].arrays]
+            counts = [n for i in members for n in calls[i].counts]
+            self._telemetry.metrics.merged.observe(len(arrays))
+            vectors = await self._send(arrays, counts, *mode)
+            pos = 0
+            for i in members:
+                out[i] = vectors[pos : pos + len(calls[i].arrays)]
+                pos += len(calls[i].arrays)
+
+        if len(groups) == 1:  # the usual case: no task for gather to wrap it in
+            await run(*next(iter(groups.items())))
+        else:
+            await asyncio.gather(*(run(p, m) for p, m in groups.items()))
+        return out

@@ -1,0 +1,76 @@
+"""What the ingress's Python handle methods do (`VisionIngress.embed`, `embed_llm` delegate here).
+
+Same path as HTTP without the HTTP parts: admission (a `BackPressureError` at once when this replica is
+full), the images (`IngressDecoder`) and the encoder call (`EncoderClient`) under the request's time limit
+(`TimeoutError`). Bad inputs raise the replica's or the decoder's own `encoder.EncoderError`, never Ray's
+wrapper; the per-request limits (images, patches) are HTTP's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from encoder.api import check_pooling
+from encoder.errors import EncoderError
+
+from .config import AppArgs
+from .decoding import IngressDecoder
+from .encoder_calls import EncoderClient
+from .errors import CLIENT_ERROR, OK, classify, root_cause
+from .limits import Admission
+from .llm_outputs import check_dtype
+from .metrics import IngressTelemetry
+
+
+class HandleCalls:
+    """The handle API of one ingress replica (see the module docstring)."""
+
+    def __init__(
+        self,
+        args: AppArgs,
+        client: EncoderClient,
+        decoder: IngressDecoder,
+        admission: Admission,
+        telemetry: IngressTelemetry,
+    ):
+        self.args, self._client, self._decoder = args, client, decoder
+        self._admission, self._telemetry = admission, telemetry
+
+    async def __call__(self, images, pooling: str | None, llm: str | None) -> list:
+        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`."""
+        started = time.perf_counter()
+        telemetry = self._telemetry
+        if not isinstance(images, list | tuple):
+            images = [images]
+        if not self._admission.try_enter():
+            telemetry.request("handle", "overloaded", len(images), 0, time.perf_counter() - started)
+            raise self._admission.overloaded(self.args.retry_after_s)
+        outcome, n_images, patches = CLIENT_ERROR, len(images), 0
+        try:
+            if pooling is not None:
+                check_pooling(pooling)
+            if llm is not None:
+                check_dtype(llm)
+            if not images:
+                outcome = OK
+                return []
+            async with asyncio.timeout(self.args.request_timeout_s):
+                info = await self._client.info()
+                pooling = pooling or info["default_pooling"]
+                decode_at = time.perf_counter()
+                arrays = await self._decoder.prepare(list(images), info["preprocess_config"], "images")
+                encode_at = time.perf_counter()
+                vectors, patches = await self._client.encode(arrays, pooling, llm)
+            outcome = OK
+            done = time.perf_counter()
+            telemetry.timings["handle"].add(total=done - started, decode=encode_at - decode_at, encode=done - encode_at)
+            return vectors
+        except EncoderError as e:
+            raise root_cause(e) from None  # the replica's own exception, not Ray's wrapper
+        except Exception as e:
+            outcome = classify(e).error.outcome
+            raise
+        finally:
+            self._admission.leave()
+            telemetry.request("handle", outcome, n_images, patches, time.perf_counter() - started)
