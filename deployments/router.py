@@ -1,7 +1,7 @@
 """`BucketRouter`: a Ray Serve request router that sends each request to the replicas owning its bucket.
 
-Why: every encoder replica captured a CUDA graph per bucket (token budget), and its `@serve.batch`
-packs whatever is queued into the smallest bucket that fits. If small and large images share a
+Why: every encoder replica captured a CUDA graph per bucket (token budget), and its batcher packs
+whatever is queued into the smallest bucket that fits. If small and large images share a
 replica, a 256-patch request waits behind a 16k-patch replay; if same-size requests scatter over
 all replicas, fewer of them meet in one batch. So the router keeps each request *size class* (the
 bucket its own patch count maps to) on a stable set of owner replicas, balances by queue length
@@ -29,40 +29,8 @@ patches, or a list of per-image patch counts) and optionally `kwargs["num_images
 the list's length). A request without a usable `num_patches` (another method, a handle call without
 the kwarg) gets Ray's default behaviour: power of two random choices, same-node replicas first.
 
-What a replica publishes (`record_routing_stats()`; see `BucketRoutingStats` and the `STATS_*` keys):
-
-- `"buckets"`: the replica's bucket table as `[[budget, max_images], ...]` ascending (bare budgets are
-  accepted too). The router uses the table most replicas report; with none it uses
-  `BucketRouterConfig.buckets`, else `workspace.tables.router_fallback_table()` (the engine's default).
-- `"ready"`: False while the replica cannot serve (graphs not captured); such replicas rank last.
-- `"queued_by_bucket"`: `{budget: queued requests}`, for dashboards and future policies. Not used to
-  route: Serve polls these stats every `request_routing_stats_period_s` (10 s by default) and relays
-  them through the controller, far too stale for load balancing. Load comes from Ray's own per-replica
-  queue-length cache instead, refreshed by every send and by probes.
-
-The same keys are also read from `record_replica_metadata()` (published once when a replica becomes
-ready, so the table is known before the first stats poll); routing stats win when both are present.
-
-Assignment of buckets to replicas (`assign_buckets`), a pure function of the table and the set of
-replica ids, so every router process (proxy, driver, each ingress replica) computes the same map:
-
-- `"ranges"` (default): replicas sorted by id split the budget-sorted buckets into contiguous ranges
-  (counts differ by at most one; lower ids own the smaller buckets, the earlier ranges are the
-  longer ones); with more replicas than buckets each bucket gets a contiguous block of replicas
-  (blocks differ by at most one, the larger blocks go to the largest buckets). Contiguous ranges
-  keep small and large images on different replicas, which is what the latency goal needs: with
-  the default table (256..32768) and two replicas, 224x224 (256 patches) and 1344x1344 (9216 -> 16384)
-  always land on different replicas. Interleaving (bucket of rank r to replica r % n) puts those two on the same
-  replica, and rendezvous hashing does so for about one replica-id pair in three.
-- `"rendezvous"`: highest-random-weight hashing of (bucket, replica id) with bounded loads (largest
-  bucket first; owned counts differ by at most one, as with ranges): a replica set change moves
-  fewer buckets (default table, 2-6 random replicas: a join moves 2.5 of 8 buckets against 3.2 for
-  ranges; a leave moves 0.45 buckets beyond the leaver's own against 0.86), at the price of random
-  size mixing.
-
-Ownership moving is cheap here: every replica captured every bucket, so an owner is only a routing
-preference; no state moves. Hence the default favours size separation and exact balance over
-minimal movement. Both schemes are deterministic for a given replica set.
+What a replica publishes and how it is read: `deployments.routing_stats`. Which replicas own which
+buckets: `deployments.router_assignment` (`assign_buckets`, a pure function).
 
 Spill rule: an owner is saturated when Ray's cached queue length for it is >= `spill_queue_len`
 (default: `spill_fraction` x its `max_ongoing_requests`, rounded up, at least 1) or when the patches
@@ -86,7 +54,8 @@ with two replicas and uniform 224x224 traffic, the owner of the small buckets ot
 the requests (88% of the images) while the other replica idled; a replica busy with other sizes is
 never idle, so it gets none of them and the size separation holds under mixed load.
 
-Ray mixins: `LocalityMixin` is used for the fallback path only. `FIFOMixin` is deliberately not used:
+Ray mixins: `ray_compat.SelectionHook` (the selection counted at once, above), `LocalityMixin` for the
+fallback path only. `FIFOMixin` is deliberately not used:
 it hands a replica found for one request to the oldest pending request, whatever its bucket, which
 would undo the affinity. Without it Ray assigns each routing result to the request it was chosen for,
 and starts routing requests in arrival order.
@@ -95,19 +64,17 @@ and starts routing requests in arrival order.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import math
-import operator
 import random
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from ray.serve.request_router import (
     LocalityMixin,
     PendingRequest,
@@ -121,75 +88,10 @@ from workspace.buckets import BucketError, BucketKey, BucketTable
 from workspace.tables import router_fallback_table
 
 from .ray_compat import SelectionHook, check_ray, queue_len_cache_enabled
-
-__all__ = [
-    "STATS_BUCKETS",
-    "STATS_QUEUED_BY_BUCKET",
-    "STATS_READY",
-    "ASSIGNMENT_STRATEGIES",
-    "BucketRouter",
-    "BucketRouterConfig",
-    "BucketRoutingStats",
-    "assign_buckets",
-    "request_size",
-]
+from .router_assignment import assign_buckets, request_size
+from .routing_stats import BucketRoutingStats, published
 
 logger = logging.getLogger("ray.serve")
-
-# -- what a replica publishes ---------------------------------------------------------------------------
-
-STATS_BUCKETS = "buckets"
-"""The replica's bucket table: `[[budget, max_images], ...]` ascending (or bare budgets)."""
-STATS_QUEUED_BY_BUCKET = "queued_by_bucket"
-"""`{budget: requests queued or running}` on the replica (informational)."""
-STATS_READY = "ready"
-"""False while the replica cannot serve; the router ranks it last."""
-
-ASSIGNMENT_STRATEGIES = ("ranges", "rendezvous")
-
-
-class BucketRoutingStats(BaseModel):
-    """The dict a replica returns from `record_routing_stats()` (build it with `from_table(...).to_dict()`)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    buckets: tuple[tuple[int, int] | int, ...] = Field(min_length=1)
-    queued_by_bucket: dict[int, int] = Field(default_factory=dict)
-    ready: bool = True
-
-    @field_validator("buckets", mode="before")
-    @classmethod
-    def _lists_to_tuples(cls, value: Any) -> Any:
-        if isinstance(value, list | tuple):
-            return tuple(tuple(v) if isinstance(v, list) else v for v in value)
-        return value
-
-    @classmethod
-    def from_table(
-        cls, table: BucketTable, queued_by_bucket: Mapping[int, int] | None = None, ready: bool = True
-    ) -> BucketRoutingStats:
-        return cls(
-            buckets=tuple((k.budget, k.max_images) for k in table.keys),
-            queued_by_bucket=dict(queued_by_bucket or {}),
-            ready=ready,
-        )
-
-    def table(self) -> BucketTable:
-        """The published table; BucketError if it is not a valid one."""
-        pairs = [b for b in self.buckets if isinstance(b, tuple)]
-        if not pairs:
-            return BucketTable.from_budgets(self.buckets)
-        if len(pairs) != len(self.buckets):
-            raise BucketError(f"mixed bare budgets and [budget, max_images] pairs: {self.buckets!r}")
-        return BucketTable(BucketKey(budget, max_images) for budget, max_images in pairs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain lists, ints and bools: the exact shape the router parses."""
-        return {
-            STATS_BUCKETS: [list(b) if isinstance(b, tuple) else b for b in self.buckets],
-            STATS_QUEUED_BY_BUCKET: dict(self.queued_by_bucket),
-            STATS_READY: self.ready,
-        }
 
 
 # -- router configuration (RequestRouterConfig.request_router_kwargs) -------------------------------------
@@ -224,121 +126,6 @@ class BucketRouterConfig(BaseModel):
 
     def default_table(self) -> BucketTable:
         return router_fallback_table() if self.buckets is None else BucketTable.parse(self.buckets)
-
-
-# -- pure helpers -----------------------------------------------------------------------------------------
-
-
-def _count(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        number = operator.index(value)
-    except TypeError:
-        return None
-    return number if number > 0 else None
-
-
-def request_size(
-    pending_request: PendingRequest | None, num_patches_kwarg: str = "num_patches", num_images_kwarg: str = "num_images"
-) -> tuple[int, int] | None:
-    """(total patches, images) of a request, or None when it carries no usable patch count."""
-    if pending_request is None or not isinstance(pending_request.kwargs, Mapping):
-        return None
-    raw = pending_request.kwargs.get(num_patches_kwarg)
-    if raw is None:
-        return None
-    total = _count(raw)
-    if total is not None:
-        images = _count(pending_request.kwargs.get(num_images_kwarg, 1))
-        return (total, images) if images is not None else None
-    if isinstance(raw, str | bytes) or not isinstance(raw, Iterable):
-        return None
-    counts = [_count(c) for c in raw]
-    if not counts or None in counts:
-        return None
-    return sum(counts), len(counts)
-
-
-def _owner_slots(num_buckets: int, num_replicas: int) -> list[int]:
-    """Owners per bucket (ascending budget): 1 each, or a share of the replicas when they outnumber buckets."""
-    if num_replicas <= num_buckets:
-        return [1] * num_buckets
-    base, extra = divmod(num_replicas, num_buckets)
-    return [base + (1 if i >= num_buckets - extra else 0) for i in range(num_buckets)]
-
-
-def _score(key: BucketKey, replica_id: str) -> int:
-    digest = hashlib.blake2b(f"{key.budget}/{key.max_images}/{replica_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def assign_buckets(
-    table: BucketTable, replica_ids: Iterable[str], strategy: str = "ranges"
-) -> dict[BucketKey, tuple[str, ...]]:
-    """Owner replica ids (sorted) of every bucket; a pure function of the table and the set of ids.
-
-    With no replicas every bucket has no owner. See the module docstring for the two strategies.
-    """
-    if strategy not in ASSIGNMENT_STRATEGIES:
-        raise ValueError(f"unknown assignment strategy {strategy!r}; expected one of {ASSIGNMENT_STRATEGIES}")
-    ids = sorted(set(replica_ids))
-    keys = table.keys
-    if not ids:
-        return {key: () for key in keys}
-    slots = _owner_slots(len(keys), len(ids))
-    owners: dict[BucketKey, tuple[str, ...]] = {}
-    if strategy == "ranges":
-        if len(ids) <= len(keys):
-            base, extra = divmod(len(keys), len(ids))
-            start = 0
-            for rank, rid in enumerate(ids):
-                stop = start + base + (1 if rank < extra else 0)
-                for key in keys[start:stop]:
-                    owners[key] = (rid,)
-                start = stop
-        else:
-            start = 0
-            for key, count in zip(keys, slots, strict=True):
-                owners[key] = tuple(ids[start : start + count])
-                start += count
-        return owners
-    # Rendezvous with bounded loads: largest bucket first, each takes its highest-scoring replicas
-    # that still have room. Loads end at floor or ceil of slots / replicas: every replica may hold
-    # `floor`, and only `extra` of them one more. The room left always equals the slots left, and
-    # when replicas outnumber buckets (floor 1, extra 0) every replica not yet chosen is free.
-    floor, extra = divmod(sum(slots), len(ids))
-    load = dict.fromkeys(ids, 0)
-    above_floor = 0
-    for key, count in zip(reversed(keys), reversed(slots), strict=True):
-        ranked = sorted(ids, key=lambda rid, key=key: (_score(key, rid), rid), reverse=True)
-        chosen: list[str] = []
-        for rid in ranked:
-            if len(chosen) == count:
-                break
-            if load[rid] < floor or (load[rid] == floor and above_floor < extra):
-                above_floor += load[rid] == floor
-                load[rid] += 1
-                chosen.append(rid)
-        owners[key] = tuple(sorted(chosen))
-    return {key: owners[key] for key in keys}
-
-
-def _published(replica: RunningReplica) -> Mapping[str, Any]:
-    """The replica's routing stats if they carry a table, else its replica metadata, else {}."""
-    stats = getattr(replica, "routing_stats", None)
-    if isinstance(stats, Mapping) and STATS_BUCKETS in stats:
-        return stats
-    try:
-        metadata = getattr(replica, "replica_metadata", None)
-    except Exception:  # a replica wrapper without metadata support
-        metadata = None
-    if isinstance(metadata, Mapping) and STATS_BUCKETS in metadata:
-        merged = dict(metadata)
-        if isinstance(stats, Mapping):
-            merged.update(stats)
-        return merged
-    return stats if isinstance(stats, Mapping) else {}
 
 
 @dataclass(frozen=True)
@@ -472,11 +259,11 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
         tables: Counter[BucketTable] = Counter()
         not_ready = set()
         for replica in sorted(replicas, key=lambda r: r.replica_id.unique_id):
-            published = _published(replica)
-            if not published:
+            stats_dict = published(replica)
+            if not stats_dict:
                 continue
             try:
-                stats = BucketRoutingStats.model_validate(published)
+                stats = BucketRoutingStats.model_validate(stats_dict)
                 tables[stats.table()] += 1
             except (ValueError, BucketError) as error:  # pydantic's ValidationError is a ValueError
                 self._warn_once(

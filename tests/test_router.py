@@ -20,16 +20,9 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from deployments.router import (
-    STATS_BUCKETS,
-    STATS_QUEUED_BY_BUCKET,
-    STATS_READY,
-    BucketRouter,
-    BucketRouterConfig,
-    BucketRoutingStats,
-    assign_buckets,
-    request_size,
-)
+from deployments.router import BucketRouter, BucketRouterConfig
+from deployments.router_assignment import assign_buckets, request_size
+from deployments.routing_stats import STATS_BUCKETS, STATS_QUEUED_BY_BUCKET, STATS_READY, BucketRoutingStats
 from workspace.buckets import BucketError, BucketKey, BucketTable
 from workspace.tables import router_fallback_table
 

@@ -14,7 +14,8 @@ import pytest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments.router import BucketRouter, BucketRoutingStats
+from deployments.router import BucketRouter
+from deployments.routing_stats import BucketRoutingStats
 
 pytestmark = pytest.mark.slow
 pytest_plugins = ["tests.serve_fixtures"]

@@ -21,7 +21,7 @@ from deployments.errors import ErrorCode, RequestError, classify, with_index
 from deployments.inputs import finish_input, open_input, parse_image_string
 from deployments.openai_api import embeddings_body
 from deployments.readiness import encoder_ready
-from deployments.replica import Work, check_pixels
+from deployments.replica_pipeline import Work, best_prefix, check_pixels
 from encoder.errors import (
     ConfigError,
     EncoderError,
@@ -343,10 +343,9 @@ def test_continuous_batcher_keep_leaves_the_rest_first_in_line():
 
 
 def test_replica_keeps_the_prefix_with_the_best_patches_per_replay_cost():
-    from deployments.replica import EncoderReplica
+    def keep(counts):
+        return best_prefix([_work(c) for c in counts], default_table(), fixed_cost=512)
 
-    replica = SimpleNamespace(engine=SimpleNamespace(table=default_table()), _fixed_cost=512)
-    keep = lambda counts: EncoderReplica.func_or_class._keep(replica, [_work(c) for c in counts])  # noqa: E731
     assert keep([256] * 17) == 16  # 4352 patches would replay the 8192 bucket: 16 fill 4096 exactly
     assert keep([256] * 32) == 32  # a full 8192 bucket
     assert keep([256] * 3) == 3  # 768 in the 1024 bucket costs what 512 does per patch: the longer one
