@@ -42,14 +42,8 @@ except ImportError:  # run as a script from a checkout: make the repo root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import encoder  # noqa: E402
-from deployments.batch.dataset import (  # noqa: E402
-    actor_device,
-    actor_graph_cap,
-    actor_plan,
-    preprocess_config_for,
-    rows_per_batch,
-)
-from deployments.batch.job import JobConfig, run_job  # noqa: E402
+from deployments.batch import JobConfig, run_job  # noqa: E402
+from deployments.batch.model_facts import plan_for_actors, preprocess_config_for, rows_per_batch  # noqa: E402
 from encoder.preprocess import load_image, num_patches, patchify_many, resize_image  # noqa: E402
 from workspace import GraphEncoder  # noqa: E402
 
@@ -215,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pp = preprocess_config_for(args.model)
     gpus = (1 if has_gpu else 0) if args.num_gpus is None else args.num_gpus
-    device = actor_device(gpus)
-    plan = actor_plan(args.model, device, args.buckets, actor_graph_cap(args.model, device, args.dtype, args.attention))
+    plan = plan_for_actors(args.model, gpus, args.buckets, args.dtype, args.attention)
     typical = num_patches(args.size, args.size, pp)
     auto_rows = rows_per_batch(plan, typical)
     batch_sizes = [b or auto_rows for b in parse_list(args.batch_sizes)]

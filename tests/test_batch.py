@@ -23,8 +23,12 @@ from PIL import Image
 import encoder
 from deployments.batch import EncoderActor, decode_batch, output_schema
 from deployments.batch.__main__ import main as cli_main
-from deployments.batch.dataset import ERROR, PATCHES, _pixel_rows, fill_order, preprocess_config_for
-from deployments.batch.job import CRASH_ENV, MANIFEST, InputFile, Part, plan_parts, read_units
+from deployments.batch.actor import _pixel_rows, fill_order
+from deployments.batch.columns import ERROR, PATCHES
+from deployments.batch.files import InputFile, Part, plan_parts, read_units
+from deployments.batch.job import CRASH_ENV
+from deployments.batch.manifest import MANIFEST
+from deployments.batch.model_facts import preprocess_config_for
 from encoder.errors import InvalidArgumentError
 from workspace.buckets import BucketKey, BucketTable
 
@@ -190,7 +194,7 @@ def test_driver_and_actors_agree_on_the_bucket_table_for_every_backend():
     """The driver sizes Ray Data batches from the table its actors will have: for every attention backend
     usable here the driver's plan (from the model's config) is the actor's own, and for a GPU actor the
     backend's `max_graph_tokens` caps the driver's table as it caps the engine's (sdpa: 8192, not 32768)."""
-    from deployments.batch.dataset import actor_device, actor_graph_cap, actor_plan, rows_per_batch
+    from deployments.batch.model_facts import actor_device, actor_graph_cap, actor_plan, rows_per_batch
     from encoder.attention import available_backends
     from workspace import GraphEncoder
 

@@ -455,14 +455,8 @@ def test_batch_actor_encodes_clip(tmp_path):
     """`deployments.batch`: decode stage + EncoderActor (no Ray) with the model's default pooling."""
     import pyarrow as pa
 
-    from deployments.batch.dataset import (
-        EncoderActor,
-        actor_plan,
-        decode_batch,
-        output_schema,
-        preprocess_config_for,
-        resolve_pooling,
-    )
+    from deployments.batch import EncoderActor, decode_batch, output_schema
+    from deployments.batch.model_facts import actor_plan, preprocess_config_for, resolve_pooling
 
     assert resolve_pooling(None, "tiny-clip") == "model" and resolve_pooling(None, "tiny") == "mean"
     with pytest.raises(InvalidArgumentError, match="needs a model"):

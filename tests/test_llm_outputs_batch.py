@@ -14,8 +14,8 @@ from test_batch import cli, make_rows, read_output
 
 import encoder
 from deployments.batch import EncoderActor, decode_batch, output_schema
-from deployments.batch.dataset import deepstack_layers, preprocess_config_for
-from deployments.batch.job import JobConfig, _resolve_part_rows
+from deployments.batch.job import JobConfig, resolve_part_rows
+from deployments.batch.model_facts import deepstack_layers, preprocess_config_for
 from encoder.presets import PRESETS, preset
 
 pytest_plugins = ["tests.serve_fixtures"]
@@ -82,7 +82,7 @@ def test_actor_per_token_columns_equal_encode_llm(model):
 
 def test_default_part_rows_shrink_with_deepstack_layers():
     def rows(model, pooling="none"):
-        return _resolve_part_rows(JobConfig(input=[], output="", model=model, pooling=pooling))
+        return resolve_part_rows(JobConfig(input=[], output="", model=model, pooling=pooling))
 
     assert rows("tiny") == 1_000 and rows("tiny", "mean") == 10_000
     if DEEPSTACK_MODEL in PRESETS:

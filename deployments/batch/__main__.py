@@ -14,7 +14,8 @@ from encoder.api import POOLINGS
 from encoder.errors import EncoderError
 from workspace.buckets import BucketError
 
-from .job import JobConfig, run_job
+from .job import run_job
+from .options import JobConfig
 
 
 def _positive(text: str) -> int:
@@ -73,26 +74,10 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     p.add_argument("--num-actors", type=_positive, default=None, help="CPU encoder actors when there are no GPUs")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
     p.add_argument("--no-progress", action="store_true", help="no Ray Data progress bars")
-    a = p.parse_args(argv)
-    return JobConfig(
-        input=a.input,
-        output=a.output,
-        image_column=a.image_column,
-        id_column=a.id_column or None,
-        model=a.model,
-        pooling=a.pooling,
-        dtype=a.dtype,
-        attention=a.attention,
-        buckets=a.buckets,
-        batch_size=a.batch_size,
-        part_rows=a.part_rows,
-        decode_batch_size=a.decode_batch_size,
-        decode_concurrency=a.decode_concurrency,
-        num_gpus=a.num_gpus,
-        num_actors=a.num_actors,
-        progress=not a.no_progress,
-        address=a.address,
-    )
+    a = vars(p.parse_args(argv))
+    progress = not a.pop("no_progress")
+    a["id_column"] = a["id_column"] or None
+    return JobConfig(**a, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:

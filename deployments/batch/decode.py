@@ -1,0 +1,134 @@
+"""The decode stage of a batch job (Ray tasks, CPU): each row's image to uint8 pixels at the model's size.
+
+A row's image (encoded bytes, a local file path, or a Hugging Face `datasets` image struct) is decoded,
+checked and resized with `encoder.preprocess` (`load_image`, then the model's resize: Qwen's smart resize,
+or the CLIP / SigLIP resize and crop through `encoder.preprocess_vit`). The stage ships compact uint8
+pixels (a quarter of the bytes of float32 patches) plus the patch count; a bad image becomes an `error`
+string on its row, never an exception.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from PIL import Image
+
+import encoder
+from encoder.errors import InvalidArgumentError
+from encoder.preprocess import PreprocessConfig, load_image
+from encoder.preprocess_vit import num_patches_for, resize_image_for
+
+from .columns import ERROR, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
+
+
+def image_column_kind(typ: pa.DataType) -> str:
+    """'bytes', 'path' or 'struct' (Hugging Face `datasets` Image: struct<bytes, path>) for a column type."""
+    if pa.types.is_binary(typ) or pa.types.is_large_binary(typ) or pa.types.is_fixed_size_binary(typ):
+        return "bytes"
+    if getattr(pa.types, "is_binary_view", lambda _t: False)(typ):
+        return "bytes"
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        return "path"
+    if getattr(pa.types, "is_string_view", lambda _t: False)(typ):
+        return "path"
+    if pa.types.is_struct(typ) and {typ.field(i).name for i in range(typ.num_fields)} >= {"bytes", "path"}:
+        return "struct"
+    raise InvalidArgumentError(
+        f"image column has type {typ}; expected binary (encoded image bytes), string (local file paths) "
+        "or struct<bytes, path>"
+    )
+
+
+def check_input_schema(schema: pa.Schema, image_column: str) -> None:
+    """Fail early (before any work) on a missing image column or a clash with output column names."""
+    if image_column not in schema.names:
+        raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
+    image_column_kind(schema.field(image_column).type)
+    clash = sorted(set(schema.names) & (set(OUTPUT_COLUMNS) | set(INTERNAL)))
+    if clash:
+        raise InvalidArgumentError(
+            f"input column(s) {', '.join(clash)} would be overwritten by the output; rename them first"
+        )
+
+
+def _read_path(value: str, root: str | None) -> bytes:
+    if value.startswith("file://"):
+        value = value[len("file://") :]
+    path = Path(value)
+    if not path.is_absolute() and root is not None:
+        path = Path(root) / path
+    return path.read_bytes()
+
+
+def _image_bytes(value: Any, kind: str, root: str | None) -> bytes:
+    if kind == "struct":
+        if value is None:
+            value = {}
+        if value.get("bytes") is not None:
+            return value["bytes"]
+        if value.get("path") is not None:
+            return _read_path(value["path"], root)
+        raise encoder.ImageDecodeError("image is null")
+    if value is None:
+        raise encoder.ImageDecodeError("image is null")
+    return _read_path(value, root) if kind == "path" else bytes(value)
+
+
+def describe_error(exc: BaseException) -> str:
+    text = str(exc) or repr(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+def decode_batch(table: pa.Table, *, image_column: str, pp: PreprocessConfig, path_root: str | None) -> pa.Table:
+    """Decode + resize one batch; returns the non-image columns plus pixels, sizes, patches and `error`.
+
+    Never raises for a bad image: its row gets pixels = null, patches = 0 and the reason in `error`.
+    """
+    check_input_schema(table.schema, image_column)
+    kind = image_column_kind(table.schema.field(image_column).type)
+    values = table.column(image_column).to_pylist()
+    pixels: list[bytes | None] = []
+    heights, widths, patches, errors = [], [], [], []
+    for value in values:
+        try:
+            array = resize_image_for(load_image(_image_bytes(value, kind, path_root), pp), pp)
+        except Exception as exc:  # a bad row must never fail the job (Pillow raises many types)
+            pixels.append(None)
+            heights.append(0)
+            widths.append(0)
+            patches.append(0)
+            errors.append(describe_error(exc))
+            continue
+        h, w, _ = array.shape
+        pixels.append(array.tobytes())
+        heights.append(h)
+        widths.append(w)
+        patches.append((h // pp.patch_size) * (w // pp.patch_size))
+        errors.append(None)
+    out = table.drop_columns([image_column])
+    out = out.append_column(PIXELS, pa.array(pixels, type=pa.large_binary()))
+    out = out.append_column(HEIGHT, pa.array(heights, type=pa.int32()))
+    out = out.append_column(WIDTH, pa.array(widths, type=pa.int32()))
+    out = out.append_column(PATCHES, pa.array(patches, type=pa.int32()))
+    return out.append_column(ERROR, pa.array(errors, type=pa.string()))
+
+
+def header_patches(value: Any, kind: str, pp: PreprocessConfig, path_root: str | None) -> int | None:
+    """Patch count from the image header only (no pixel decode); None when unreadable."""
+
+    try:
+        with Image.open(io.BytesIO(_image_bytes(value, kind, path_root))) as img:
+            width, height = img.size
+        return num_patches_for(height, width, pp)
+    except Exception:
+        return None
+
+
+def typical_patches_of(values: list, kind: str, pp: PreprocessConfig, path_root: str | None, default=256) -> int:
+    """Median patch count of a sample of image-column values (header reads only)."""
+    counts = [c for c in (header_patches(v, kind, pp, path_root) for v in values) if c]
+    return int(statistics.median(counts)) if counts else default

@@ -1,0 +1,101 @@
+"""What a batch job's driver knows about the model and its encoder actors, without loading weights.
+
+The model's config and preprocessing (`config_for`, `preprocess_config_for`), its pooling, and the bucket
+table its actors will have (`actor_plan`: the same `workspace.tables.process_plan` the actors call, with
+the `max_graph_tokens` of the attention backend they will load), from which Ray Data's rows per encoder
+batch are sized (`rows_per_batch`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import encoder
+from encoder.api import POOLINGS, select_backend, vector_pooling
+from encoder.api import preprocess_config_for as model_preprocess_config
+from encoder.checkpoint import load_config
+from encoder.config import VisionConfig
+from encoder.errors import InvalidArgumentError
+from encoder.preprocess import PreprocessConfig
+from encoder.presets import preset
+from workspace.tables import BucketPlan, process_plan, shape_of_config
+
+
+def config_for(model: str) -> VisionConfig:
+    """The tower config of a preset name or checkpoint directory (no weights read)."""
+    path = Path(model)
+    return load_config(path) if path.is_dir() else preset(model)
+
+
+def preprocess_config_for(model: str) -> PreprocessConfig:
+    """The preprocessing `encoder.load(model)` uses, without building the model (cheap, driver side).
+
+    A `VitPreprocessConfig` for CLIP / SigLIP models (same attributes where the pipeline reads them)."""
+    path = Path(model)
+    return model_preprocess_config(config_for(model), path if path.is_dir() else None)
+
+
+def deepstack_layers(config: VisionConfig) -> int:
+    """DeepStack layers of a tower (0 for towers without: Qwen2/2.5-VL, Qwen3.5, CLIP, SigLIP)."""
+    return len(getattr(config, "deepstack_visual_indexes", None) or ())
+
+
+def resolve_pooling(pooling: str | None, model: str) -> str:
+    """`pooling`, checked; None: the model's default embedding ("model" for CLIP / SigLIP, else "mean")."""
+    config = config_for(model)
+    if pooling is None:
+        return vector_pooling(config)
+    if pooling not in POOLINGS:
+        raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+    return encoder.api.resolve_pooling(pooling, config)
+
+
+def actor_device(gpus: int) -> str:
+    """The device the encoder actors run on: one GPU each when the job has GPUs."""
+    return "cuda" if gpus > 0 else "cpu"
+
+
+def _graph_cap(model: str, device: str, dtype: str | None, attention: str | None) -> int | None:
+    return select_backend(config_for(model), device, dtype, attention).max_graph_tokens
+
+
+def actor_graph_cap(model: str, device: str, dtype: str | None = None, attention: str | None = None) -> int | None:
+    """`max_graph_tokens` of the attention backend the encoder actors will load. Which backends are usable
+    depends on the machine, so a driver that cannot see CUDA asks a GPU worker once."""
+    if device == "cuda" and not torch.cuda.is_available():
+        import ray
+
+        return ray.get(ray.remote(num_gpus=1)(_graph_cap).remote(model, device, dtype, attention))
+    return _graph_cap(model, device, dtype, attention)
+
+
+def actor_plan(model: str, device: str, buckets: Any = None, max_graph_tokens: int | None = None) -> BucketPlan:
+    """The bucket table (and batch limits) of an encoder actor on `device`, from the model's config alone:
+    the same `workspace.tables.process_plan` the actor itself calls."""
+    return process_plan(
+        shape_of_config(config_for(model), preprocess_config_for(model)), device, buckets,
+        max_graph_tokens=max_graph_tokens,
+    )  # fmt: skip
+
+
+def rows_per_batch(plan: BucketPlan, typical_patches: int, fill: int = 2) -> int:
+    """Rows per encoder batch so a batch holds about `fill` batches' worth of patches of the actor's limits."""
+    rows = round(fill * plan.max_batch_patches / max(1, typical_patches))
+    return int(min(max(rows, 1), fill * plan.max_batch_images))
+
+
+def gpus_in_cluster() -> int:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def plan_for_actors(model: str, gpus: int, buckets: Any = None, dtype=None, attention=None) -> BucketPlan:
+    """The plan of the encoder actors of a job with `gpus` GPUs (0: CPU actors)."""
+    device = actor_device(gpus)
+    return actor_plan(model, device, buckets, actor_graph_cap(model, device, dtype, attention))

@@ -1,0 +1,60 @@
+"""The parameters of a batch job, listed once: `EmbedOptions` (what `embed_dataset` takes) and `JobConfig`
+(those plus the job's files, parts and cluster). The CLI builds a `JobConfig`, `run_job` passes it whole to
+the parts runner and to `embed_dataset`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from encoder.errors import InvalidArgumentError
+
+
+def invalid(error: ValidationError, what: str) -> InvalidArgumentError:
+    """A pydantic error as the encoder's, naming every bad field (`decode_batch_size: Input should be ...`)."""
+    problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or what}: {e['msg']}" for e in error.errors())
+    return InvalidArgumentError(f"invalid {what}: {problems}")
+
+
+class EmbedOptions(BaseModel):
+    """How `embed_dataset` embeds a dataset's image column."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, protected_namespaces=())
+
+    model: str = Field("tiny", description="Preset name or local Hugging Face checkpoint directory.")
+    image_column: str = "image"
+    pooling: str | None = Field("mean", description="None: the model's default embedding ('model' for CLIP / SigLIP).")
+    batch_size: int | None = Field(None, ge=1, description="Rows per encoder batch; None: from the typical patches.")
+    typical_patches: int | None = Field(None, ge=1, description="Patches of a typical image; None: sampled.")
+    num_gpus: int | None = Field(None, ge=0, description="GPU encoder actors, one GPU each; None: every GPU.")
+    num_actors: int | None = Field(None, ge=1, description="CPU encoder actors when there are no GPUs (1).")
+    actor_cpus: float = Field(1.0, ge=0)
+    buckets: Any = Field(None, description="A bucket spec, table or [(budget, max_images)]; None: the device's.")
+    dtype: str | None = None
+    attention: str | None = None
+    decode_batch_size: int = Field(32, ge=1, description="Rows per CPU decode task.")
+    decode_concurrency: int | None = Field(None, ge=1, description="Decode tasks at once; None: Ray Data's.")
+    decode_cpus: float = Field(1.0, ge=0)
+    path_root: str | None = Field(None, description="Relative image paths resolve here; None: the working dir.")
+
+    @classmethod
+    def of(cls, **kwargs) -> EmbedOptions:
+        try:
+            return cls(**kwargs)
+        except ValidationError as e:
+            raise invalid(e, "embed_dataset arguments") from None
+
+
+class JobConfig(EmbedOptions):
+    """A resumable batch job (`run_job`, `python -m deployments.batch`)."""
+
+    input: list[str]
+    output: str
+    id_column: str | None = Field("id", description="Names rows in the summary, if the input has it.")
+    part_rows: int | None = Field(
+        None, ge=1, description="Rows per output part; None: 10000 per vector, 1000 / (1 + DeepStack layers) per token."
+    )
+    progress: bool = True
+    address: str | None = Field(None, description="Ray cluster address; None: RAY_ADDRESS or a local cluster.")

@@ -1,0 +1,106 @@
+"""`embed_dataset`: images in an Arrow column -> embeddings, with Ray Data.
+
+Two stages: decode (`deployments.batch.decode`, Ray tasks on CPUs) and encode (`deployments.batch.actor`,
+an actor pool, one GPU per actor where GPUs exist). Ray Data batches by rows, so rows per encoder batch are
+chosen from the typical patch count (about two of the actor's batches of patches: `rows_per_batch`);
+inside a batch the actor re-orders images by the bucket table. Rows out = rows in, in any order; every
+non-image column is passed through.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from encoder.errors import InvalidArgumentError
+
+from .actor import EncoderActor
+from .decode import decode_batch, image_column_kind, typical_patches_of
+from .model_facts import gpus_in_cluster, plan_for_actors, preprocess_config_for, resolve_pooling, rows_per_batch
+from .options import EmbedOptions
+
+
+def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
+    """Embed the images of `ds[image_column]`; returns a lazy `ray.data.Dataset`.
+
+    The parameters are `EmbedOptions`' fields, given as keywords (`model="tiny", pooling="mean"`) or as one
+    `EmbedOptions` (a batch job passes its `JobConfig`).
+
+    Output rows: every input column except the image column, then `embedding` and `error`:
+      * pooling="mean" (or "model", "mean-l2", "model-l2"; None = the model's default: "model" for
+        CLIP / SigLIP, "mean" otherwise; see `encoder.api`): `embedding` is
+        `fixed_size_list<float32>[dim]` (null for error rows);
+      * pooling="none": `embedding` is `list<fixed_size_list<float32>[out_dim]>`, one vector per
+        output token in the merger's order (row-major over the merged `grid_h` x `grid_w` grid), plus
+        `num_tokens` and the patch grid `grid_t`, `grid_h`, `grid_w` = HF's `image_grid_thw` (int32, 0 for
+        error rows), the same grid as one `grid_thw` value and, for DeepStack models, `deepstack` (see
+        the module docstring);
+      * `error`: null, or why the row's image could not be embedded (`ImageDecodeError: ...`).
+    Rows out = rows in; row order is not kept (carry an id column).
+
+    The image column holds encoded bytes (binary), local file paths (string; relative ones are
+    resolved against `path_root`, default the caller's working directory) or Hugging Face
+    `datasets` image structs (`struct<bytes, path>`).
+
+    Resources: `num_gpus` encoder actors with one GPU each (default: every GPU in the cluster); with
+    no GPUs, `num_actors` CPU actors (default 1). `batch_size` is rows per encoder batch; by default
+    it is about two of the actor's batches of patches at `typical_patches` per image (sampled
+    from the first rows when not given, which runs the head of `ds` once). Decoding runs as tasks of
+    `decode_batch_size` rows, `decode_cpus` each, at most `decode_concurrency` at once.
+    """
+    import ray.data
+
+    if options is None:
+        options = EmbedOptions.of(**kwargs)
+    elif kwargs:
+        options = EmbedOptions.of(**(options.model_dump() | kwargs))
+    o, model, image_column = options, options.model, options.image_column
+    pooling = resolve_pooling(o.pooling, model)
+    pp = preprocess_config_for(model)  # also validates the model name / directory up front
+    schema = ds.schema(fetch_if_missing=False)
+    if schema is not None and image_column not in schema.names:
+        raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
+    gpus = gpus_in_cluster() if o.num_gpus is None else o.num_gpus
+    plan = plan_for_actors(model, gpus, o.buckets, o.dtype, o.attention)
+    root = str(Path.cwd()) if o.path_root is None else str(o.path_root)
+    batch_size, typical_patches = o.batch_size, o.typical_patches
+    if batch_size is None:
+        if typical_patches is None:
+            sample = ds.select_columns([image_column]).limit(32).take_batch(32, batch_format="pyarrow")
+            kind = image_column_kind(sample.schema.field(image_column).type)
+            typical_patches = typical_patches_of(sample.column(image_column).to_pylist(), kind, pp, root)
+        batch_size = rows_per_batch(plan, typical_patches)
+
+    decode_compute = ray.data.TaskPoolStrategy(size=o.decode_concurrency) if o.decode_concurrency else None
+    # Small blocks so decoding spreads over many tasks; then blocks of exactly one encoder batch. The
+    # strict repartition is its own stage, which also keeps Ray Data from fusing the decode tasks into
+    # the encoder actors (it would when both ask for the same resources, e.g. on a CPU-only cluster).
+    ds = ds.repartition(target_num_rows_per_block=o.decode_batch_size, strict=True)
+    ds = ds.map_batches(
+        decode_batch,
+        batch_format="pyarrow",
+        batch_size=None,
+        fn_kwargs={"image_column": image_column, "pp": pp, "path_root": root},
+        num_cpus=o.decode_cpus,
+        compute=decode_compute,
+        udf_modifying_row_count=False,
+    )
+    ds = ds.repartition(target_num_rows_per_block=batch_size, strict=True)
+    actors = max(1, gpus) if gpus > 0 else max(1, int(o.num_actors or 1))
+    return ds.map_batches(
+        EncoderActor,
+        batch_format="pyarrow",
+        batch_size=batch_size,
+        fn_constructor_kwargs={
+            "model": model,
+            "pooling": pooling,
+            "buckets": o.buckets,
+            "dtype": o.dtype,
+            "attention": o.attention,
+            "preprocess_config": pp,
+            "expected_table": plan.table,
+        },
+        compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=2),
+        num_gpus=1 if gpus > 0 else 0,
+        num_cpus=o.actor_cpus,
+        udf_modifying_row_count=False,
+    )
