@@ -55,6 +55,19 @@ def test_app_args_coerce_cli_strings_and_reject_mistakes(tmp_path):
             AppArgs.model_validate(bad)
 
 
+def test_app_args_groups_take_nested_sections_and_hand_out_one_concern():
+    from deployments.app_args import BatchingArgs, ModelArgs
+
+    nested = AppArgs.model_validate({"model": {"model": "tiny", "seed": "3"}, "batching": {"max_batch_size": "8"}})
+    flat = AppArgs.model_validate({"model": "tiny", "seed": "3", "max_batch_size": "8"})
+    assert nested == flat and (flat.seed, flat.max_batch_size) == (3, 8)
+    assert list(AppArgs.model_fields)[:2] == ["model", "served_model_name"]  # the model group first
+    assert flat.group(BatchingArgs) == BatchingArgs(max_batch_size=8) and flat.group(ModelArgs).seed == 3
+    for bad in ({"batching": {"num_replicas": 2}}, {"batching": {"max_batch_size": 8}, "max_batch_size": 4}):
+        with pytest.raises(ValidationError):
+            AppArgs.model_validate(bad)
+
+
 def test_gpu_and_device_decisions():
     assert resolve_num_gpus(AppArgs(num_gpus=0.25)) == 0.25
     assert resolve_num_gpus(AppArgs(device="cpu")) == 0.0

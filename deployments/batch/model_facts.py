@@ -14,11 +14,10 @@ from typing import Any
 import torch
 
 import encoder
-from encoder.api import POOLINGS, select_backend, vector_pooling
 from encoder.api import preprocess_config_for as model_preprocess_config
+from encoder.api import select_backend, vector_pooling
 from encoder.checkpoint import load_config
 from encoder.config import VisionConfig
-from encoder.errors import InvalidArgumentError
 from encoder.preprocess import PreprocessConfig
 from encoder.presets import preset
 from workspace.tables import BucketPlan, process_plan, shape_of_config
@@ -46,11 +45,7 @@ def deepstack_layers(config: VisionConfig) -> int:
 def resolve_pooling(pooling: str | None, model: str) -> str:
     """`pooling`, checked; None: the model's default embedding ("model" for CLIP / SigLIP, else "mean")."""
     config = config_for(model)
-    if pooling is None:
-        return vector_pooling(config)
-    if pooling not in POOLINGS:
-        raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
-    return encoder.api.resolve_pooling(pooling, config)
+    return vector_pooling(config) if pooling is None else encoder.api.resolve_pooling(pooling, config)
 
 
 def actor_device(gpus: int) -> str:

@@ -1,0 +1,307 @@
+"""The groups of `AppArgs` (`deployments.config`): one pydantic model per concern, each with its validators.
+
+`AppArgs` is all of them (flat keys: `serve run deployments:build_app num_replicas=2`, the YAML's `args`), and
+code that needs one concern can take the group it reads.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from encoder.preprocess import DEFAULT_FORMATS
+from workspace.buckets import BucketError, BucketTable
+from workspace.tables import DEVICE_DEFAULTS
+
+_CPU = DEVICE_DEFAULTS["cpu"]
+# Pillow formats the ingress decodes by default: the encoder's
+DEFAULT_IMAGE_FORMATS = tuple(sorted(DEFAULT_FORMATS))
+API_KEY_ENV = "VISION_API_KEY"
+_CONFIG = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelArgs(BaseModel):
+    """The model and how it is loaded."""
+
+    model_config = _CONFIG
+
+    model: str = Field("tiny", description="Preset name (random weights) or a local Hugging Face checkpoint dir.")
+    served_model_name: str | None = Field(
+        None, description="Name in /v1/models and the accepted `model` of requests; default: `model`."
+    )
+    dtype: str | None = Field(None, description="float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU.")
+    attention: str | None = Field(None, description="Varlen attention backend (encoder.load); default sdpa.")
+    seed: int = Field(0, description="Seed of the random weights of a preset (same seed, same model everywhere).")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Replica device; auto = cuda when the replica has a GPU share, else cpu."
+    )
+
+    @property
+    def model_name(self) -> str:
+        """The name clients see (`/v1/models`, `model` of responses)."""
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.model)) if os.path.isdir(self.model) else self.model
+
+
+class BucketArgs(BaseModel):
+    """The encoder replicas' bucket table (`workspace.tables`)."""
+
+    model_config = _CONFIG
+
+    buckets: str | None = Field(
+        None,
+        description="Bucket budgets, '256,1024,4096' or 'pow2:256-32768'. Default: pow2:256-32768 on CUDA "
+        f"(workspace.tables), {_CPU.buckets!r} on CPU.",
+    )
+    bucket_max_images: int | None = Field(
+        None, gt=0, description="Images per bucket (all buckets); default: the table's rule (1 on CPU)."
+    )
+
+    @field_validator("buckets")
+    @classmethod
+    def _parse_buckets(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                BucketTable.parse(v)
+            except BucketError as e:
+                raise ValueError(str(e)) from e
+        return v
+
+
+class BatchingArgs(BaseModel):
+    """How an encoder replica batches requests and runs them."""
+
+    model_config = _CONFIG
+
+    max_batch_patches: int | None = Field(
+        None,
+        gt=0,
+        description="Patches per replica batch (and per request the ingress sends); default: the largest "
+        f"bucket's budget ({_CPU.max_batch_patches} with the CPU buckets).",
+    )
+    max_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Images per replica batch; default: the largest bucket's max_images "
+        f"({_CPU.max_batch_images} with the CPU buckets).",
+    )
+    batch_wait_timeout_s: float = Field(
+        0.002, ge=0, description="batcher='serve': how long @serve.batch waits for more requests after the first."
+    )
+    batch_fixed_cost_patches: int | None = Field(
+        512,
+        gt=0,
+        description="batcher='continuous' on a GPU: a batch's replay cost independent of its size, in patches "
+        "(H200, 7B tower: engine x1 and x32 fit ~1.7 ms + 3.2 us per bucket patch, ~530 patches). The batcher "
+        "keeps the prefix of the queue with the most patches per (this + its bucket's budget), so a batch just "
+        "over a bucket boundary leaves the excess for the next batch instead of padding to the next bucket. "
+        "None: take everything that fits.",
+    )
+    gil_switch_interval_s: float | None = Field(
+        0.0005,
+        gt=0,
+        description="Python's GIL switch interval in encoder replicas (sys.setswitchinterval). The device thread "
+        "waits in GIL-releasing calls while the event loop unpickles requests; coming back it waits for the "
+        "GIL up to this long each time (Python's default 5 ms; benchmarks/gil_convoy.py). None: leave it. "
+        "Ingress replicas keep Python's default (their idle decode measured no better with 0.5 ms).",
+    )
+    batcher: Literal["serve", "continuous"] = Field(
+        "continuous",
+        description="'continuous': a batch is whatever waits when the device becomes free (no timer, no idle "
+        "wait; deployments.batching). 'serve': @serve.batch with a patch-counting batch_size_fn, whose batches "
+        "hold what arrived within batch_wait_timeout_s, and every idle request waits that long.",
+    )
+    pipeline_depth: int | None = Field(
+        None,
+        ge=1,
+        le=4,
+        description="Batches in flight per encoder replica. None: 2 on a GPU (the device thread uploads and "
+        "patchifies batch N+1 and queues its replays while batch N runs, so the GPU does not wait for the host "
+        "between batches), 1 on CPU (the engine runs there synchronously).",
+    )
+
+
+class ReplicaArgs(BaseModel):
+    """The encoder deployment: replicas, resources, routing, health and shutdown."""
+
+    model_config = _CONFIG
+
+    num_replicas: int = Field(1, ge=1, description="Encoder replicas.")
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs per encoder replica (0.5 = two replicas per GPU). Default: see resolve_num_gpus."
+    )
+    num_cpus: float = Field(0.5, ge=0, description="Logical CPUs per encoder replica (fractions are fine).")
+    max_ongoing_requests: int = Field(512, gt=0, description="Requests one encoder replica accepts at once.")
+    max_queued_requests: int = Field(
+        1024, ge=-1, description="Encoder requests queued at each caller (ingress replica) before 503; -1 = no limit."
+    )
+    request_router_class: str | None = Field(
+        "deployments.router:BucketRouter",
+        description="Import path of a ray.serve RequestRouter for the encoder deployment; the default routes "
+        "by sequence-length bucket. None or 'ray' = Ray's default (power of two choices).",
+    )
+    request_router_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the router.")
+    routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas publish routing stats.")
+    health_check_period_s: float = Field(
+        10.0, gt=0, description="Encoder replica health checks (a tiny real encode through the graph path)."
+    )
+    health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
+    graceful_shutdown_wait_loop_s: float = Field(
+        0.5, gt=0, description="How often a stopping replica checks whether its requests have finished."
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        70.0, ge=0, description="Time a stopping replica has to finish its requests (> request_timeout_s); then killed."
+    )
+    enable_fault_injection: bool = Field(
+        False, description="Tests only: EncoderReplica.inject_fault (hold batches, fail health checks)."
+    )
+
+    @field_validator("request_router_class", mode="before")
+    @classmethod
+    def _ray_default_router(cls, v):
+        return None if v in ("ray", "default", "none", "") else v
+
+    @model_validator(mode="after")
+    def _check_router(self) -> ReplicaArgs:
+        if self.request_router_kwargs and not self.request_router_class:
+            raise ValueError("request_router_kwargs given without request_router_class")
+        return self
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_limit(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("a queue limit is -1 (no limit) or positive")
+        return v
+
+
+class IngressArgs(BaseModel):
+    """The ingress deployment: replicas, resources, merging, admission, time limits, retries."""
+
+    model_config = _CONFIG
+
+    ingress_replicas: int = Field(1, ge=1, description="HTTP/handle ingress replicas (CPU).")
+    ingress_num_cpus: float = Field(0.25, ge=0, description="Logical CPUs per ingress replica.")
+    ingress_max_ongoing_requests: int = Field(512, gt=0, description="Requests one ingress replica accepts.")
+    ingress_max_queued_requests: int = Field(
+        1024, ge=-1, description="HTTP requests queued at each proxy for the ingress before 503; -1 = no limit."
+    )
+    ingress_max_inflight_requests: int | None = Field(
+        None,
+        gt=0,
+        description="Requests one ingress replica works on at once; more are answered 429 at once. Default: 3/4 "
+        "of ingress_max_ongoing_requests (384), so that the excess reaches the ingress and is rejected fast.",
+    )
+    ingress_batch_size: int = Field(
+        32, ge=0, description="Images the ingress merges into one encoder request (0 or 1: no ingress batching)."
+    )
+    ingress_max_concurrent_batches: int = Field(
+        2,
+        gt=0,
+        description="Merged encoder requests in flight per ingress; calls arriving meanwhile wait and "
+        "go together in the next one (no timer).",
+    )
+    decode_threads: int = Field(4, gt=0, description="Threads per ingress decoding and resizing images.")
+    retry_after_s: float = Field(1.0, ge=0, description="Retry-After (seconds, rounded up) of 429 / 503 answers.")
+    request_timeout_s: float = Field(
+        60.0, gt=0, description="Per request, body read to response; past it 504 (408 if the body was still coming)."
+    )
+    encoder_retries: int = Field(
+        3, ge=0, description="Retries of an encoder call whose replica died or is unavailable (encoding is idempotent)."
+    )
+    encoder_retry_backoff_s: float = Field(
+        0.05, ge=0, description="First retry delay; doubles per retry (with jitter), capped at 2 s."
+    )
+
+    @property
+    def inflight_limit(self) -> int:
+        """Requests one ingress replica works on at once (`ingress_max_inflight_requests` or its default)."""
+        if self.ingress_max_inflight_requests is not None:
+            return self.ingress_max_inflight_requests
+        return max(1, self.ingress_max_ongoing_requests * 3 // 4)
+
+    @field_validator("ingress_max_queued_requests")
+    @classmethod
+    def _queue_limit(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("a queue limit is -1 (no limit) or positive")
+        return v
+
+
+class LimitArgs(BaseModel):
+    """What one request may carry, and who may send it (README "Limits, errors and security")."""
+
+    model_config = _CONFIG
+
+    max_request_images: int = Field(256, gt=0, description="Images one HTTP request may carry (else 413).")
+    max_request_bytes: int = Field(
+        64 * 2**20, gt=0, description="HTTP request body bytes (Content-Length or counted while reading; else 413)."
+    )
+    max_image_bytes: int = Field(20 * 2**20, gt=0, description="Encoded bytes of one image (else 413).")
+    max_image_pixels: int = Field(
+        50_000_000,
+        gt=0,
+        description="Decoded width*height of one image, read from the file header before decoding (else 413); "
+        "also Pillow's decompression-bomb limit in the ingress.",
+    )
+    max_request_patches: int = Field(
+        262_144, gt=0, description="Patches of all images of one request (from the headers, before decoding)."
+    )
+    image_formats: tuple[str, ...] = Field(
+        DEFAULT_IMAGE_FORMATS,
+        description="Pillow formats accepted for encoded images (else 415); a list or 'PNG,JPEG,...'.",
+    )
+    api_key: str | None = Field(
+        None,
+        repr=False,
+        description=f"Bearer key required on /v1/* (401 without it); default: the {API_KEY_ENV} environment "
+        "variable of the ingress replica; unset = no key.",
+    )
+    url_allowlist: tuple[str, ...] = Field(
+        (),
+        description="Hosts ('host', 'host:port' or '*.domain') whose image URLs the ingress fetches; empty = no URL "
+        "is fetched (http/https inputs are answered 400).",
+    )
+    url_schemes: tuple[str, ...] = Field(("https",), description="URL schemes fetched for allowlisted hosts.")
+    url_fetch_timeout_s: float = Field(10.0, gt=0, description="Time limit of one image URL fetch.")
+
+    @field_validator("image_formats", "url_allowlist", "url_schemes", mode="before")
+    @classmethod
+    def _comma_lists(cls, v):
+        if isinstance(v, str):
+            return tuple(x.strip() for x in v.split(",") if x.strip())
+        return v
+
+    @field_validator("image_formats")
+    @classmethod
+    def _known_formats(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from PIL import Image
+
+        Image.init()
+        v = tuple(sorted({f.upper() for f in v}))
+        unknown = [f for f in v if f not in Image.OPEN]
+        if not v or unknown:
+            raise ValueError(f"image_formats must be non-empty Pillow format names; unknown: {unknown}")
+        return v
+
+    @field_validator("url_allowlist")
+    @classmethod
+    def _hosts(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for entry in v:
+            entry = entry.strip().lower()
+            if not entry or "/" in entry or "@" in entry or entry in ("*", "*."):
+                raise ValueError(f"url_allowlist entries are 'host', 'host:port' or '*.domain', got {entry!r}")
+            out.append(entry)
+        return tuple(out)
+
+    @field_validator("url_schemes")
+    @classmethod
+    def _schemes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        v = tuple(s.lower() for s in v)
+        if not set(v) <= {"http", "https"}:
+            raise ValueError(f"url_schemes may hold 'http' and 'https' only, got {v}")
+        return v
