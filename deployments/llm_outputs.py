@@ -1,4 +1,4 @@
-"""LLM-ready outputs between the encoder replica, the ingress and the client (DESIGN.md, "LLM-ready outputs").
+"""LLM-ready outputs between the encoder replica, the ingress and the client (README "Feeding an LLM server").
 
 Per image the encoder replica's `encode_llm_pixels` returns a `WireLLM` tuple `(tokens, deepstack, grid_thw)`:
 `tokens` `[n, out_dim]` and each DeepStack layer's `[n, out_dim]` (`[]` for towers without) as numpy arrays

@@ -19,8 +19,8 @@ Rescale (x / 255 in float64, cast to float32) and normalise ((x - mean) / std in
 `VitPreprocessConfig` has `merge_size = temporal_patch_size = 1`, so that patchify (and every caller
 of it, such as the service's on-device patchify) produces the ViT patch layout unchanged.
 
-The dispatchers at the end (`resize_image_for`, `num_patches_for`, `preprocess_for`,
-`preprocess_config_from_dump`) accept either family's config, for code that serves any model.
+The dispatchers at the end (`resize_image_for`, `num_patches_for`, `preprocess_config_from_dump`) accept
+either family's config, for code that serves any model.
 """
 
 from __future__ import annotations
@@ -306,10 +306,6 @@ def resize_image_for(img: Image.Image, cfg: AnyPreprocessConfig) -> np.ndarray:
 def num_patches_for(height: int, width: int, cfg: AnyPreprocessConfig) -> int:
     """Patches an image of this original size yields (no decoding)."""
     return cfg.num_patches if isinstance(cfg, VitPreprocessConfig) else num_patches(height, width, cfg)
-
-
-def preprocess_for(images: Any, cfg: AnyPreprocessConfig) -> PatchBatch:
-    return preprocess_vit(images, cfg) if isinstance(cfg, VitPreprocessConfig) else preprocess(images, cfg)
 
 
 def preprocess_config_from_dump(d: dict[str, Any]) -> AnyPreprocessConfig:

@@ -64,7 +64,3 @@ class Workspace:
 
     def input_ptrs(self) -> dict[str, int]:
         return {"pixel_values": self.pixel_values.data_ptr(), "frames_hw": self.frames_hw.data_ptr()}
-
-    def nbytes(self) -> int:
-        bufs = [self.pixel_values, self.frames_hw, *(self.out.tensors() if self.out is not None else [])]
-        return sum(b.numel() * b.element_size() for b in bufs)
