@@ -172,7 +172,7 @@ class ReplicaArgs(BaseModel):
 
     @field_validator("max_queued_requests")
     @classmethod
-    def _queue_limit(cls, v: int) -> int:
+    def _encoder_queue_limit(cls, v: int) -> int:
         if v == 0:
             raise ValueError("a queue limit is -1 (no limit) or positive")
         return v
@@ -225,7 +225,7 @@ class IngressArgs(BaseModel):
 
     @field_validator("ingress_max_queued_requests")
     @classmethod
-    def _queue_limit(cls, v: int) -> int:
+    def _ingress_queue_limit(cls, v: int) -> int:
         if v == 0:
             raise ValueError("a queue limit is -1 (no limit) or positive")
         return v

@@ -35,15 +35,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from encoder.config import ClipVisionConfig, VitVisionConfig
 from encoder.errors import ConfigError, InvalidImageError
 from encoder.patch_batch import PatchBatch
-from encoder.preprocess import (
+from encoder.preprocess import num_patches, preprocess, resize_image
+from encoder.preprocess_config import (
     DEFAULT_FORMATS,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     PreprocessConfig,
     known_formats,
-    num_patches,
-    preprocess,
-    resize_image,
     std_positive,
 )
 

@@ -29,7 +29,7 @@ PRESETS: dict[str, VisionConfig] = {
         depth=3, num_heads=4, hidden_size=64, intermediate_size=96, out_hidden_size=128,
         num_position_embeddings=64, deepstack_visual_indexes=(0, 2),
     ),
-    # published vision_config values (Qwen/<name>-Instruct config.json; sources in tests/test_qwen3_hf.py)
+    # published vision_config values (Qwen/<name>-Instruct config.json; sources in tests/unit/encoder/test_qwen3_hf.py)
     "qwen3-vl-2b": Qwen3VLVisionConfig(
         depth=24, hidden_size=1024, intermediate_size=4096, out_hidden_size=2048, deepstack_visual_indexes=(5, 11, 17),
     ),

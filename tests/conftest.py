@@ -1,3 +1,9 @@
+"""Shared test set-up: the GPU marker, Triton's CPU interpreter, and the session's Ray instance.
+
+`tests/unit/` needs no Ray cluster; `tests/integration/` (serve, batch, cluster) shares one Ray instance per
+session (`ray_cluster`, from `tests/serve_fixtures.py` with the other Serve helpers).
+"""
+
 import os
 
 import pytest
@@ -7,6 +13,8 @@ import torch
 # before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.serve_fixtures import ray_cluster  # noqa: E402, F401 - the session fixture, for every test module
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,8 +5,8 @@ the Serve replicas and the batch actors for their process's table, the batch dri
 actors will have (to size Ray Data batches), and the request router for its fallback before any replica
 published one. So they cannot disagree.
 
-* `TowerShape`: what a table depends on of a model, known without its weights (`shape_of_config`,
-  `shape_of_encoder`).
+* `TowerShape`: what a table depends on of a model, known without its weights (`shape_of_encoder` for a
+  loaded model; the batch driver builds one from the config alone).
 * `engine_table(shape, buckets, max_graph_tokens)`: the engine's rule. `buckets` None is the engine
   default: powers of two on the model's 224x224 unit up to `buckets.MAX_BUDGET` patches, capped by the
   attention backend's `max_graph_tokens`; fixed-resolution towers (CLIP, SigLIP) get image-count tables.
@@ -24,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from encoder.api import is_fixed_resolution
-from encoder.preprocess_vit import num_patches_for
+from encoder.preprocess import num_patches
 from workspace.buckets import MAX_BUDGET, BucketKey, BucketTable, default_table
 
 #: most images one replay of a fixed-resolution tower holds in the default table
@@ -57,19 +56,14 @@ class TowerShape:
 
     merge_unit: int  # budgets are multiples of it (Qwen2.5-VL's window layout: 4)
     unit_patches: int  # patches of one 224x224 image after resizing: the smallest default bucket
-    patches_per_image: int | None = None  # fixed-resolution towers: every image's patches
-
-
-def shape_of_config(config, pp) -> TowerShape:
-    """The shape of a model from its config and preprocessing (no weights; the batch driver)."""
-    per = config.num_patches if is_fixed_resolution(config) else None
-    return TowerShape(config.merge_unit, num_patches_for(224, 224, pp), per)
+    patches_per_image: int | None = None  # towers whose images all have this many patches (image-count tables)
 
 
 def shape_of_encoder(vision) -> TowerShape:
     """The shape of a loaded `encoder.VisionEncoder`."""
-    tower = vision.model
-    return TowerShape(tower.merge_unit, num_patches_for(224, 224, vision.preprocess_config), tower.patches_per_image)
+    tower, per = vision.model, vision.model.patches_per_image
+    unit = per if per is not None else num_patches(224, 224, vision.preprocess_config)
+    return TowerShape(tower.merge_unit, unit, per)
 
 
 def image_count_table(counts, patches_per_image: int) -> BucketTable:

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 import encoder
+from encoder.api import is_fixed_resolution, select_backend, vector_pooling
 from encoder.api import preprocess_config_for as model_preprocess_config
-from encoder.api import select_backend, vector_pooling
 from encoder.checkpoint import load_config
 from encoder.config import VisionConfig
-from encoder.preprocess import PreprocessConfig
+from encoder.preprocess import PreprocessConfig, num_patches
 from encoder.presets import preset
-from workspace.tables import BucketPlan, process_plan, shape_of_config
+from workspace.tables import BucketPlan, TowerShape, process_plan
 
 
 def config_for(model: str) -> VisionConfig:
@@ -46,6 +46,13 @@ def resolve_pooling(pooling: str | None, model: str) -> str:
     """`pooling`, checked; None: the model's default embedding ("model" for CLIP / SigLIP, else "mean")."""
     config = config_for(model)
     return vector_pooling(config) if pooling is None else encoder.api.resolve_pooling(pooling, config)
+
+
+def shape_of_config(config: VisionConfig, pp) -> TowerShape:
+    """The model's `workspace.tables.TowerShape` from its config and preprocessing (what `shape_of_encoder`
+    reads of the loaded model)."""
+    per = config.num_patches if is_fixed_resolution(config) else None
+    return TowerShape(config.merge_unit, per if per is not None else num_patches(224, 224, pp), per)
 
 
 def actor_device(gpus: int) -> str:

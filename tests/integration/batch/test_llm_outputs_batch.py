@@ -1,0 +1,105 @@
+"""LLM-ready outputs in batch jobs (issue 14): `--pooling none` writes the patch grid (`grid_t`, `grid_h`,
+`grid_w`, `grid_thw`) and, for DeepStack models, a `deepstack` column; both equal `VisionEncoder.encode_llm`.
+
+The actor tests need no Ray; the CLI test shares the session's Ray instance (`tests.serve_fixtures`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_batch import cli, make_rows, read_output
+
+import encoder
+from deployments.batch import EncoderActor, decode_batch, output_schema
+from deployments.batch.job import JobConfig, resolve_part_rows
+from deployments.batch.model_facts import deepstack_layers, preprocess_config_for
+from encoder.presets import PRESETS, preset
+
+DEEPSTACK_MODEL = "tiny-qwen3-vl"
+MODELS = [
+    "tiny",
+    "tiny-clip",
+    pytest.param(DEEPSTACK_MODEL, marks=pytest.mark.skipif(DEEPSTACK_MODEL not in PRESETS, reason="no preset yet")),
+]
+REL_TOL = 1e-5
+
+
+def assert_close(got, want) -> None:
+    got, want = np.asarray(got, dtype=np.float32), want.numpy()
+    assert got.shape == want.shape
+    assert float(np.abs(got - want).max()) <= REL_TOL * max(float(np.abs(want).max()), 1e-6)
+
+
+def check_rows(out: pa.Table, ids: list[int], images: dict[int, bytes], bad: set[int], model: str) -> None:
+    """Every good row equals `encode_llm` of its image; error rows are null / 0."""
+    ref = encoder.load(model)
+    m = ref.config.spatial_merge_size
+    layers = deepstack_layers(ref.config)
+    good = [i for i in ids if i not in bad]
+    want = dict(zip(good, ref.encode_llm([images[i] for i in good]), strict=True))
+    for row in out.to_pylist():
+        i = row["id"]
+        if i in bad:
+            assert row["error"] and row["embedding"] is None and row["grid_thw"] is None
+            assert row["num_tokens"] == row["grid_t"] == row["grid_h"] == row["grid_w"] == 0
+            assert row.get("deepstack") is None
+            continue
+        w = want[i]
+        t, h, wd = w.grid_thw
+        assert row["error"] is None and row["grid_thw"] == [t, h, wd]
+        assert (row["grid_t"], row["grid_h"], row["grid_w"]) == (t, h, wd)  # the patch grid: HF image_grid_thw
+        assert row["num_tokens"] == t * h * wd // (m * m) == w.tokens.shape[0]
+        assert_close(row["embedding"], w.tokens)
+        if layers:
+            assert len(row["deepstack"]) == layers == len(w.deepstack)
+            for got, ref_layer in zip(row["deepstack"], w.deepstack, strict=True):
+                assert_close(got, ref_layer)
+        else:
+            assert "deepstack" not in row
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_actor_per_token_columns_equal_encode_llm(model):
+    pp = preprocess_config_for(model)
+    ids, images, bad = make_rows(7, seed=7, corrupt_every=2)  # 7 good rows, 7 kinds of bad ones
+    table = pa.table({"id": ids, "image": pa.array(images, pa.binary())})
+    decoded = decode_batch(table, image_column="image", pp=pp, path_root=None)
+    actor = EncoderActor(model, "none", "256,512" if model == "tiny-clip" else None, preprocess_config=pp)
+    out = actor(decoded)
+    layers = deepstack_layers(preset(model))
+    assert (layers > 0) == (model == DEEPSTACK_MODEL)
+    assert out.schema == output_schema(table.schema, "image", "none", actor.dim, layers)
+    if layers:
+        assert out.schema.field("deepstack").type == pa.list_(pa.list_(pa.list_(pa.float32(), actor.dim)))
+    assert out.schema.field("grid_thw").type == pa.list_(pa.int32(), 3)
+    check_rows(out, ids, dict(zip(ids, images, strict=True)), bad, model)
+
+
+def test_default_part_rows_shrink_with_deepstack_layers():
+    def rows(model, pooling="none"):
+        return resolve_part_rows(JobConfig(input=[], output="", model=model, pooling=pooling))
+
+    assert rows("tiny") == 1_000 and rows("tiny", "mean") == 10_000
+    if DEEPSTACK_MODEL in PRESETS:
+        assert rows(DEEPSTACK_MODEL) == 1_000 // (1 + deepstack_layers(preset(DEEPSTACK_MODEL)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model", [pytest.param(DEEPSTACK_MODEL if DEEPSTACK_MODEL in PRESETS else "tiny", id="deepstack-or-tiny")]
+)
+def test_cli_per_token_writes_grid_and_deepstack_columns(ray_cluster, tmp_path, model):
+    ids, images, bad = make_rows(11, seed=9, corrupt_every=2)
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ids, "image": pa.array(images, pa.binary())}), src, row_group_size=16)
+    out = tmp_path / "out"
+    assert cli("--input", src, "--output", out, "--model", model, "--pooling", "none", "--part-rows", 8) == 0
+    result = read_output(out)
+    assert sorted(result.column("id").to_pylist()) == ids
+    layers = deepstack_layers(preset(model))
+    expected = ["id", "embedding", "num_tokens", "grid_t", "grid_h", "grid_w", "grid_thw"]
+    assert result.column_names == expected + (["deepstack"] if layers else []) + ["error"]
+    check_rows(result, ids, dict(zip(ids, images, strict=True)), bad, model)

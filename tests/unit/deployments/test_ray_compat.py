@@ -1,0 +1,35 @@
+"""`deployments.ray_compat`: the start-up check that the installed Ray has the private APIs the service uses."""
+
+from __future__ import annotations
+
+import pytest
+from ray.serve import context as serve_context
+
+from deployments import ray_compat
+
+
+def test_installed_ray_has_every_private_api_and_is_in_the_tested_range():
+    assert ray_compat._missing() == []
+    low, high = ray_compat.TESTED_RAY
+    assert low <= ray_compat._version() < high
+    ray_compat.check_ray()
+
+
+def test_a_missing_private_api_is_a_clear_error_naming_it(monkeypatch):
+    monkeypatch.delattr(serve_context, "_get_serve_request_context")
+    ray_compat.check_ray.cache_clear()
+    try:
+        with pytest.raises(ray_compat.RayCompatError, match=r"_get_serve_request_context.*install ray>=2\.60,<2\.61"):
+            ray_compat.check_ray()
+    finally:
+        ray_compat.check_ray.cache_clear()
+
+
+def test_the_pin_in_pyproject_is_the_tested_range():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]
+    (low, high) = ray_compat.TESTED_RAY
+    pin = f"ray[serve,data]>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    assert pin in project["dependencies"]

@@ -1,0 +1,224 @@
+"""Limits, error mapping, admission, retries, API key and URL policy without a running Serve (fast).
+
+The same paths run end to end in test_security.py and test_reliability*.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
+
+from deployments.config import DEFAULT_IMAGE_FORMATS, AppArgs
+from deployments.encoder_calls import call_with_retries
+from deployments.errors import ErrorCode, RequestError, classify
+from deployments.inputs import finish_input, ingress_preprocess_config, open_input
+from deployments.limits import Admission, check_content_type, check_request_patches
+from deployments.metrics import rss_bytes
+from deployments.openai_api import error_response, parse_embedding_request
+from deployments.security import ApiKeyAuth, UrlFetcher, host_allowed
+from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError
+from encoder.preprocess import DEFAULT_FORMATS, PreprocessConfig
+from tests.images_util import encode, png_bomb_header, random_array, random_image
+
+PP = ingress_preprocess_config(PreprocessConfig(), 2_000_000, DEFAULT_IMAGE_FORMATS)
+
+
+# ------------------------------------------------------------------------------------------ arguments
+
+
+def test_limit_defaults_are_the_documented_ones_and_validated():
+    a = AppArgs()
+    assert (a.max_request_bytes, a.max_image_bytes, a.max_image_pixels) == (64 * 2**20, 20 * 2**20, 50_000_000)
+    assert (a.max_request_images, a.max_request_patches) == (256, 262_144)
+    assert set(a.image_formats) == set(DEFAULT_FORMATS)
+    assert (a.max_queued_requests, a.ingress_max_queued_requests, a.inflight_limit) == (1024, 1024, 384)
+    assert (a.request_timeout_s, a.encoder_retries, a.retry_after_s) == (60.0, 3, 1.0)
+    assert (a.health_check_period_s, a.graceful_shutdown_timeout_s) == (10.0, 70.0)
+    assert a.api_key is None and a.url_allowlist == () and a.enable_fault_injection is False
+    assert AppArgs(ingress_max_ongoing_requests=64).inflight_limit == 48
+    assert AppArgs(ingress_max_inflight_requests=7).inflight_limit == 7
+    cli = AppArgs.model_validate({"image_formats": "png, jpeg", "url_allowlist": "Img.Example.com,*.cdn.org:8443"})
+    assert cli.image_formats == ("JPEG", "PNG") and cli.url_allowlist == ("img.example.com", "*.cdn.org:8443")
+    assert "sekrit" not in repr(AppArgs(api_key="sekrit"))  # never in logs
+    for bad in ({"image_formats": "PNG,NOPE"}, {"image_formats": ""}, {"max_queued_requests": 0},
+                {"url_schemes": "ftp"}, {"url_allowlist": "http://x.com/"}, {"url_allowlist": "*"},
+                {"max_image_pixels": 0}, {"request_timeout_s": 0}):  # fmt: skip
+        with pytest.raises(ValidationError):
+            AppArgs.model_validate(bad)
+
+
+def test_build_app_sets_backpressure_health_and_shutdown_options():
+    from deployments import build_app
+
+    app = build_app({"max_queued_requests": 7, "health_check_period_s": 2, "graceful_shutdown_timeout_s": 9})
+    ingress = app._bound_deployment
+    enc = ingress.init_args[0]._bound_deployment
+    assert enc.max_queued_requests == 7 and ingress.max_queued_requests == 1024
+    config = enc._deployment_config
+    assert (config.health_check_period_s, config.graceful_shutdown_timeout_s) == (2, 9)
+    assert ingress._deployment_config.backpressure_config.retry_after_s == 1.0
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def _b64(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def test_open_input_checks_headers_before_decoding():
+    png = encode(random_image("RGB", 60, 90), "PNG")
+    opened = open_input(_b64(png), PP, max_image_bytes=10**6)
+    assert opened.patches == (56 // 14) * (84 // 14) and opened.image._im is None  # opened, nothing decoded
+    assert finish_input(opened, PP).shape == (56, 84, 3)
+    with pytest.raises(ImageTooLargeError):
+        open_input(png_bomb_header(30000, 30000), PP)  # header only: never decoded
+    with pytest.raises(ImageTooLargeError):
+        open_input(random_array(2000, 1001, 3), PP)  # arrays too
+    with pytest.raises(RequestError) as info:
+        open_input(_b64(png), PP, max_image_bytes=len(png) - 1)
+    assert (info.value.status, info.value.code) == (413, "image_too_large")
+    with pytest.raises(RequestError) as info:  # refused from the base64 length, before decoding
+        open_input("A" * 4000, PP, max_image_bytes=1000)
+    assert info.value.status == 413 and "estimated" in str(info.value)
+    with pytest.raises(InvalidImageError, match="aspect ratio"):
+        open_input(encode(random_image("L", 1, 1000), "PNG"), PP)
+    with pytest.raises(ImageDecodeError, match="empty"):
+        open_input(b"", PP)
+    for data, media in ((encode(random_image("RGB", 16, 16), "ICO"), None), (b"<svg xmlns='x'/>", "image/svg+xml")):
+        with pytest.raises(RequestError) as info:
+            open_input(data if media is None else _b64(data, media), PP)
+        assert (info.value.status, info.value.code) == (415, "unsupported_image_format")
+    only_png = ingress_preprocess_config(PreprocessConfig(), 10**6, ["PNG"])
+    with pytest.raises(RequestError) as info:
+        open_input(encode(random_image("RGB", 16, 16), "JPEG"), only_png)
+    assert info.value.status == 415 and "JPEG" in str(info.value)
+    with pytest.raises(RequestError) as info:
+        check_request_patches(5000, 4096)
+    assert (info.value.status, info.value.code) == (413, "too_many_patches")
+
+
+def test_request_parsing_and_content_type():
+    assert parse_embedding_request(b'{"input": "abc"}').input == "abc"
+    cases = [(b"{bad", 400), (b"[" * 5000, 400), (b"\xff\xfe", 400), (b"", 400), (b"[1]", 422),
+             (b'{"input": []}', 422), (b'{"input": 1}', 422), (b'{"input": "a", "pooling": "max"}', 422)]  # fmt: skip
+    for body, status in cases:
+        with pytest.raises(RequestError) as info:
+            parse_embedding_request(body)
+        assert info.value.status == status, body
+    for ok in (None, "application/json", "application/json; charset=utf-8", "application/vnd.api+json"):
+        check_content_type(ok)
+    for bad in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        with pytest.raises(RequestError) as info:
+            check_content_type(bad)
+        assert info.value.status == 415
+
+
+# ------------------------------------------------------------------------------------------ error mapping
+
+
+def test_error_mapping_table():
+    cases = [
+        (RequestError("k", ErrorCode.MISSING_API_KEY, None), 401, "authentication_error"),
+        (RequestError("x", ErrorCode.REQUEST_TOO_LARGE, None), 413, "invalid_request_error"),
+        (BackPressureError(5, 5, status_code=429, retry_after_s=2), 429, "rate_limit_error"),
+        (BackPressureError(5, 5), 503, "server_error"),
+        (ActorDiedError(), 503, "server_error"),
+        (TimeoutError(), 504, "server_error"),
+        (RuntimeError("bug"), 500, "server_error"),
+    ]
+    for exc, status, type_ in cases:
+        error = classify(exc).error
+        assert (error.status, error.type) == (status, type_), exc
+    r = error_response(BackPressureError(5, 5, status_code=429), retry_after_s=1.5)
+    assert r.status_code == 429 and r.headers["retry-after"] == "2"
+    r = error_response(RequestError("no key", ErrorCode.MISSING_API_KEY, None))
+    assert r.headers["www-authenticate"] == "Bearer" and b"no key" in r.body
+    assert b"bug" not in error_response(RuntimeError("bug")).body  # no internals leak
+
+
+# ------------------------------------------------------------------------------------------ admission, retries
+
+
+def test_admission_rejects_at_once_above_the_limit():
+    gate = Admission(2)
+    assert gate.try_enter() and gate.try_enter() and not gate.try_enter()
+    gate.leave()
+    assert gate.try_enter() and (gate.inflight, gate.peak, gate.rejected) == (2, 2, 1)
+    with pytest.raises(ValueError):
+        Admission(0)
+
+
+def test_retries_only_unavailable_replicas_and_stop_at_the_bound():
+    calls: list[int] = []
+
+    def flaky(errors):
+        async def call():
+            calls.append(1)
+            if errors:
+                raise errors.pop(0)
+            return "ok"
+
+        return call
+
+    async def run(errors, retries=3):
+        calls.clear()
+        return await call_with_retries(flaky(errors), retries, base_s=0.001)
+
+    assert asyncio.run(run([ActorDiedError(), ActorUnavailableError("x", b"\0" * 16)])) == "ok" and len(calls) == 3
+    with pytest.raises(RayActorError):
+        asyncio.run(run([ActorDiedError()] * 5, retries=2))
+    assert len(calls) == 3
+    for error in (BackPressureError(1, 1), ImageDecodeError("bad"), RuntimeError("bug")):
+        with pytest.raises(type(error)):
+            asyncio.run(run([error]))
+        assert len(calls) == 1
+
+
+def test_rss_is_read_from_proc():
+    before = rss_bytes()
+    block = np.ones(64 * 2**20, dtype=np.uint8)  # 64 MiB touched
+    assert rss_bytes() - before > 32 * 2**20
+    del block
+
+
+# ------------------------------------------------------------------------------------------ API key, URLs
+
+
+def test_api_key_is_compared_in_constant_time_and_401_otherwise():
+    auth = ApiKeyAuth("s3cret")
+    auth.check("Bearer s3cret")
+    auth.check("bearer   s3cret ")
+    for header, code in ((None, "missing_api_key"), ("", "missing_api_key"), ("Bearer", "invalid_api_key"),
+                         ("Basic czNjcmV0", "invalid_api_key"), ("Bearer s3cre", "invalid_api_key"),
+                         ("Bearer s3cret2", "invalid_api_key"), ("Bearer ñ", "invalid_api_key")):  # fmt: skip
+        with pytest.raises(RequestError) as info:
+            auth.check(header)
+        assert (info.value.status, info.value.code) == (401, code), header
+    ApiKeyAuth(None).check(None)  # no key configured: open
+    assert ApiKeyAuth.from_args(AppArgs(), environ={"VISION_API_KEY": "env-key"}).enabled
+    assert not ApiKeyAuth.from_args(AppArgs(), environ={}).enabled
+
+
+def test_url_policy_allowlist_schemes_and_credentials():
+    assert not UrlFetcher(()).enabled
+    with pytest.raises(RequestError, match="not fetched"):
+        UrlFetcher(()).check("https://example.com/a.png")
+    fetcher = UrlFetcher(("img.example.com", "*.cdn.org", "10.0.0.5:8080"), schemes=("https",))
+    fetcher.check("https://img.example.com/a.png")
+    fetcher.check("https://IMG.example.com./a.png")
+    fetcher.check("https://a.b.cdn.org/x")
+    for bad in ("http://img.example.com/a.png", "https://evil.com/a.png", "https://cdn.org/x",
+                "https://img.example.com.evil.com/", "https://user:pw@img.example.com/a.png",
+                "https://10.0.0.5/x", "https://10.0.0.5:9090/x", "https://169.254.169.254/latest/meta-data",
+                "https://img.example.com:99999/x", "file:///etc/passwd"):  # fmt: skip
+        with pytest.raises(RequestError) as info:
+            fetcher.check(bad)
+        assert info.value.status == 400, bad
+    assert host_allowed("10.0.0.5", 8080, ("10.0.0.5:8080",)) and not host_allowed("10.0.0.5", None, ("10.0.0.5:8080",))

@@ -1,0 +1,129 @@
+"""Checkpoint loading: layouts and every way a directory can be wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import encoder
+from encoder import CheckpointError, ConfigError
+from tests.hf_models import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("good")
+    write_checkpoint(directory, "qwen2_5_vl", "full", processor={"min_pixels": 3136, "max_pixels": 200704})
+    return directory
+
+
+def copy_dir(src, dst):
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_preprocessor_config_is_read(good):
+    enc = encoder.load(str(good), device="cpu")
+    assert enc.preprocess_config.max_pixels == 200704
+    assert enc.config.family == "qwen2_5_vl"
+
+
+def test_unknown_model_type(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llava"
+    cfg["vision_config"]["model_type"] = "clip_vision_model"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unknown model_type.*llava"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_invalid_config_json(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_missing_config(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json: file not found"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_corrupt_safetensors(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_garbage_safetensors(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    (d / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    with pytest.raises(CheckpointError, match="cannot read safetensors"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_missing_shard(tmp_path):
+    d = tmp_path / "sharded"
+    write_checkpoint(d, "qwen2_vl", "vision-sharded")
+    shards = sorted(d.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[1].unlink()
+    with pytest.raises(CheckpointError, match=f"missing: .*{shards[1].name}"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_missing_weight(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    state = load_file(d / "model.safetensors")
+    del state["visual.blocks.1.attn.qkv.bias"]
+    save_file(state, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing vision weights \(1\): blocks.1.attn.qkv.bias"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_unexpected_weight(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    state = load_file(d / "model.safetensors")
+    state["visual.blocks.0.attn.extra.weight"] = torch.ones(3)
+    save_file(state, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected vision weights.*blocks.0.attn.extra.weight"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_wrong_shape(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    state = load_file(d / "model.safetensors")
+    state["visual.merger.mlp.2.weight"] = torch.ones(7, 256)
+    save_file(state, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'merger.mlp.2.weight' has shape \(7, 256\)"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_pickled_weights_refused(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(CheckpointError, match="only pickled weights.*safetensors are required"):
+        encoder.load(str(d), device="cpu")
+
+
+def test_unknown_preset_and_dtype():
+    with pytest.raises(ConfigError, match="unknown preset 'nope'.*tiny"):
+        encoder.load("nope", device="cpu")
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        encoder.load("tiny", device="cpu", dtype="int8")
+
+
+def test_unknown_attention_backend():
+    with pytest.raises(encoder.BackendUnavailableError, match="unknown attention backend 'nope'.*sdpa"):
+        encoder.load("tiny", device="cpu", attention="nope")
