@@ -5,8 +5,8 @@ a `max_concurrent_batches` slot), so under load its batches hold what arrived wi
 `batch_wait_timeout_s`, not what queued while the device was busy; and at idle every request pays the
 wait. This batcher forms a batch only when a slot is free, from everything queued by then (within the
 limits), so an idle request starts at once and a busy device gets full batches. The encoder replica
-uses it with one slot (one device thread); the ingress merges one-image callers with a few slots so
-that encoder calls overlap.
+uses it with `pipeline_depth` slots (batches in flight on its device); the ingress merges one-image callers
+with a few slots so that encoder calls overlap.
 """
 
 from __future__ import annotations
