@@ -9,7 +9,8 @@ published one. So they cannot disagree.
   loaded model; the batch driver builds one from the config alone).
 * `engine_table(shape, buckets, max_graph_tokens)`: the engine's rule. `buckets` None is the engine
   default: powers of two on the model's 224x224 unit up to `buckets.MAX_BUDGET` patches, capped by the
-  attention backend's `max_graph_tokens`; fixed-resolution towers (CLIP, SigLIP) get image-count tables.
+  attention backend's `max_graph_tokens`; fixed-resolution towers (CLIP, SigLIP) get image-count tables
+  (up to `MAX_GRAPH_IMAGES` images, capped by `max_graph_tokens` only).
 * `process_plan(shape, device, ...)`: a serving or batch process's table and batch limits: the device's
   defaults (`DEVICE_DEFAULTS`) where the operator gave none, then `engine_table`.
 
@@ -107,8 +108,8 @@ def engine_table(
     if buckets is None and max_images is not None:  # the default budgets with a fixed image count
         buckets = f"pow2:256-{1 << (max(256, cap).bit_length() - 1)}"
     if shape.patches_per_image is not None:
-        if buckets is None:
-            return fixed_table(shape.patches_per_image, None, cap)
+        if buckets is None:  # image counts: MAX_GRAPH_IMAGES bounds them, not MAX_BUDGET
+            return fixed_table(shape.patches_per_image, None, max_graph_tokens)
         return fixed_table(shape.patches_per_image, _as_table(buckets, shape.merge_unit, max_images))
     if buckets is None:
         return default_table(max_budget=cap, min_budget=shape.unit_patches)
@@ -136,7 +137,7 @@ def process_plan(
 ) -> BucketPlan:
     """The table and batch limits of a process encoding on `device` ("cuda" or "cpu"): the operator's
     values where given, else the device's defaults (`DEVICE_DEFAULTS`), then `engine_table`."""
-    defaults = DEVICE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
+    defaults = DEVICE_DEFAULTS["cuda" if str(device).startswith("cuda") else "cpu"]
     device_default = buckets is None and bucket_max_images is None
     if buckets is None:
         buckets = defaults.buckets
