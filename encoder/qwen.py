@@ -17,7 +17,7 @@ from .attention import AttentionBackend
 from .config import Qwen25VLVisionConfig, VisionConfig
 from .fusion import concat_linears, pad_hidden, pad_linear, round_up
 from .geometry import VisionMeta, compute_meta, count_windows
-from .kernels import add_norm, quick_gelu, rotary_qkv, silu_mul
+from .kernels import add_norm, linear_float32_out, quick_gelu, rotary_qkv, silu_mul
 from .tower import Bounds, TowerOutput, frames_dummy, segment_means
 
 
@@ -47,7 +47,7 @@ class VisionAttention(nn.Module):
     def forward(self, x, cu_seqlens, max_seqlen, cos, sin):
         # x: [S, D] packed tokens
         s, d = x.shape
-        q, k, v = rotary_qkv(self.qkv(x), cos, sin, self.num_heads)  # each [S, H, D/H], contiguous
+        q, k, v = rotary_qkv(self.qkv(x), cos, sin, self.num_heads)  # each [S, H, D/H], unit stride on D/H
         out = torch.empty_like(q)
         self.backend(q, k, v, cu_seqlens, max_seqlen, out)
         return self.proj(out.view(s, d))
@@ -138,8 +138,8 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x):
         # x: [S, C*T*P*P] flattened patches -> [S, D] float32: the start of the float32 residual
-        # stream; pixels are not rounded to bf16 (a small GEMM, 1176 -> D)
-        return F.linear(x.float(), self.proj.weight.float())
+        # stream; pixels are not rounded to bf16 (`kernels.linear_float32_out`)
+        return linear_float32_out(x.float(), self.proj.weight)
 
 
 class QwenVisionTower(nn.Module):

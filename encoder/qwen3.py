@@ -25,7 +25,7 @@ from .attention import AttentionBackend
 from .config import Qwen3VLVisionConfig
 from .fusion import pad_hidden
 from .geometry import VisionMeta, compute_meta
-from .kernels import add_norm
+from .kernels import add_norm, linear_float32_out, linear_gelu_tanh
 from .qwen import VisionAttention, norm_args
 from .tower import Bounds, TowerOutput, frames_dummy, segment_means
 from .vit import activation
@@ -75,6 +75,8 @@ class GeluMLP(nn.Module):
         self.linear_fc1, self.linear_fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
 
     def forward(self, x):
+        if self.act == "gelu_pytorch_tanh":  # the activation in the fc1 GEMM's epilogue
+            return self.linear_fc2(linear_gelu_tanh(x, self.linear_fc1))
         return self.linear_fc2(activation(self.linear_fc1(x), self.act))
 
     def fused(self, multiple: int) -> GeluMLP:
@@ -130,8 +132,8 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x):
         # [S, C*T*P*P] -> [S, D] float32: the start of the float32 residual stream; pixels are not
-        # rounded to the model dtype (a small GEMM, 1536 -> D)
-        return F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float())
+        # rounded to the model dtype (`kernels.linear_float32_out`)
+        return linear_float32_out(x.float(), self.proj.weight, self.proj.bias)
 
 
 class Qwen3VisionTower(nn.Module):
