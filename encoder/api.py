@@ -14,11 +14,12 @@ pooling ("model", or "mean" for Qwen), which the batch jobs use.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from .attention import available_backends, default_backend_name, get_backend
+from .attention import DEFAULT_BACKEND, get_backend, resolve_attention
 from .checkpoint import load_config, load_weights, read_json
 from .config import ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
 from .errors import ConfigError, InvalidArgumentError
@@ -283,19 +284,6 @@ def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
                             merge_size=config.spatial_merge_size)  # fmt: skip
 
 
-def default_backend(device: torch.device, dtype: torch.dtype, config: VisionConfig):
-    """The first backend of the model's preference that is usable here and runs this dtype and head
-    dimension (FA4 is bf16/fp16 only: a float32 model on CUDA gets the next one)."""
-    if device.type == "cuda":
-        usable = available_backends()
-        for name in config.attention_preference:
-            if usable.get(name, "missing") is None:
-                backend = get_backend(name)
-                if backend.supports(device, dtype, config.head_dim) is None:
-                    return backend
-    return get_backend(default_backend_name(device.type))
-
-
 def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
     if isinstance(config, Qwen3VLVisionConfig):
         return Qwen3VisionTower(config, backend)
@@ -307,7 +295,7 @@ def load(
     *,
     device=None,
     dtype=None,
-    attention: str | None = None,
+    attention: str | Mapping[str, str] | None = None,
     seed: int = 0,
 ) -> VisionEncoder:
     """A `VisionEncoder` from a preset name (random weights) or a local checkpoint directory."""
@@ -316,14 +304,12 @@ def load(
     path = Path(model)
     is_dir = path.is_dir()
     config = load_config(path) if is_dir else preset(model)
-    backend = get_backend(attention) if attention else default_backend(device, dtype, config)
-    why = backend.supports(device, dtype, config.head_dim)
-    if why:
-        raise ConfigError(f"attention backend {backend.name!r} cannot run this model: {why}")
     # built on the meta device: PyTorch's default init of ~680M parameters would cost seconds
     # only to be overwritten by the checkpoint or our seeded init
     with torch.device("meta"):
-        tower = build_tower(config, backend)
+        tower = build_tower(config, get_backend(DEFAULT_BACKEND))
+    # per layer kind; "auto" (the default) picks per kind and graph shape (`encoder.attention.auto`)
+    tower.set_backend(resolve_attention(attention, tower.attention_kinds, device, dtype, config.head_dim))
     tower = tower.to_empty(device="cpu")
     if is_dir:
         load_weights(tower, path)

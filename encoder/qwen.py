@@ -9,6 +9,8 @@ token order, `merge` applies the patch merger and restores the Hugging Face toke
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,7 @@ from .config import Qwen25VLVisionConfig, VisionConfig
 from .fusion import concat_linears, pad_hidden, pad_linear, round_up
 from .geometry import VisionMeta, compute_meta, count_windows
 from .kernels import add_norm, linear_float32_out, quick_gelu, rotary_qkv, silu_mul
-from .tower import Bounds, TowerOutput, frames_dummy, segment_means
+from .tower import Bounds, TowerOutput, backends_per_kind, frames_dummy, segment_means
 
 
 class RMSNorm(nn.Module):
@@ -147,7 +149,7 @@ class QwenVisionTower(nn.Module):
 
     patches_per_image = None  # variable resolution
 
-    def __init__(self, cfg: VisionConfig, backend: AttentionBackend):
+    def __init__(self, cfg: VisionConfig, backend: AttentionBackend | Mapping[str, AttentionBackend]):
         super().__init__()
         self.cfg = cfg
         self.patch_dim, self.merge_unit = cfg.patch_dim, cfg.merge_unit
@@ -155,12 +157,16 @@ class QwenVisionTower(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg, i in full) for i in range(cfg.depth))
         self.merger = PatchMerger(cfg)
+        # Qwen2.5-VL: window attention except at `fullatt_block_indexes`; Qwen2-VL: full everywhere
+        self.attention_kinds = ("full", "window") if len(full) < cfg.depth else ("full",)
         self.set_backend(backend)
 
-    def set_backend(self, backend: AttentionBackend) -> None:
-        self.backend = backend
+    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
+        """One backend for every layer, or one per layer kind (`attention_kinds`)."""
+        self.backends = backends_per_kind(backend, self.attention_kinds)
+        self.backend = self.backends["full"]
         for blk in self.blocks:
-            blk.attn.backend = backend
+            blk.attn.backend = self.backends["full" if blk.full_attention else "window"]
 
     def fuse(self, pad_mlp: int = 128) -> None:
         """Inference-only layout changes, all exact, as new modules: MLP width zero-padded to a

@@ -17,6 +17,8 @@ GEMM inputs are in the model dtype.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +29,7 @@ from .fusion import pad_hidden
 from .geometry import VisionMeta, compute_meta
 from .kernels import add_norm, linear_float32_out, linear_gelu_tanh
 from .qwen import VisionAttention, norm_args
-from .tower import Bounds, TowerOutput, frames_dummy, segment_means
+from .tower import Bounds, TowerOutput, backends_per_kind, frames_dummy, segment_means
 from .vit import activation
 
 
@@ -141,7 +143,7 @@ class Qwen3VisionTower(nn.Module):
 
     patches_per_image = None  # variable resolution: buckets are patch budgets
 
-    def __init__(self, cfg: Qwen3VLVisionConfig, backend: AttentionBackend):
+    def __init__(self, cfg: Qwen3VLVisionConfig, backend: AttentionBackend | Mapping[str, AttentionBackend]):
         super().__init__()
         self.cfg = cfg
         self.patch_dim = cfg.patch_dim
@@ -169,10 +171,13 @@ class Qwen3VisionTower(nn.Module):
         return frames_dummy(budget, max_images, bounds, self.cfg.spatial_merge_size)
 
     # -- layout changes ---------------------------------------------------------------------------
-    def set_backend(self, backend: AttentionBackend) -> None:
-        self.backend = backend
+    attention_kinds = ("full",)  # every block attends over whole images
+
+    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
+        self.backends = backends_per_kind(backend, self.attention_kinds)
+        self.backend = self.backends["full"]
         for blk in self.blocks:
-            blk.attn.backend = backend
+            blk.attn.backend = self.backend
 
     @torch.no_grad()
     def fuse(self, pad_mlp: int = 128) -> None:

@@ -25,6 +25,8 @@ Outputs of `forward(pixel_values, cu_seqlens)`: (tokens, pooled)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +36,7 @@ from .config import ClipVisionConfig, SiglipVisionConfig, VitVisionConfig
 from .fusion import concat_linears, pad_hidden
 from .kernels import add_norm, linear_float32_out, linear_gelu_tanh, quick_gelu
 from .qwen import norm_args
-from .tower import Bounds, TowerOutput
+from .tower import Bounds, TowerOutput, backends_per_kind
 
 
 def activation(h: torch.Tensor, name: str) -> torch.Tensor:
@@ -263,10 +265,13 @@ class VitTower(nn.Module):
         return TowerOutput(tokens, means, pooled)
 
     # -- layout changes ---------------------------------------------------------------------------
-    def set_backend(self, backend: AttentionBackend) -> None:
-        self.backend = backend
+    attention_kinds = ("full",)  # one segment per image in every layer
+
+    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
+        self.backends = backends_per_kind(backend, self.attention_kinds)
+        self.backend = self.backends["full"]
         for layer in self.encoder.layers:
-            layer.self_attn.backend = backend
+            layer.self_attn.backend = self.backend
 
     def fuse(self, pad_mlp: int = 128) -> None:
         """Inference-only layout changes, all exact, as new modules: the blocks' MLP width zero-padded

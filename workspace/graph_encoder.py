@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
+from encoder.attention import describe_backend
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import num_patches
@@ -145,11 +146,11 @@ class GraphEncoder:
             # the eager encoder shares the model and stays equal
             tower.fuse(pad_mlp)
         limit = max_image_patches(vision_encoder)
+        caps = [b.max_graph_tokens for b in tower.backends.values() if b.max_graph_tokens is not None]
+        cap = min(caps, default=None) if buckets is None else None
         if tower.patches_per_image is not None:
-            cap = tower.backend.max_graph_tokens
-            table = fixed_table(tower.patches_per_image, buckets, cap if buckets is None else None)
+            table = fixed_table(tower.patches_per_image, buckets, cap)
         else:
-            cap = tower.backend.max_graph_tokens if buckets is None else None
             table = variable_table(vision_encoder.preprocess_config, buckets, cap, granule=tower.merge_unit)
         self.table = table
         self.runner = GraphRunner(tower, table, max_image_patches=limit, debug=debug)
@@ -228,4 +229,7 @@ class GraphEncoder:
         return PendingLLM(host, event, [t.shape[0] for t in out.tokens], layers, batch.grid_thw.tolist())
 
     def stats(self) -> dict:
-        return self.runner.stats.as_dict()
+        """The runner's counters, plus the attention backend of each layer kind (for `auto`: which
+        backend ran which graph shapes' segment bounds)."""
+        kinds = {kind: describe_backend(b) for kind, b in self.encoder.model.backends.items()}
+        return {**self.runner.stats.as_dict(), "attention": kinds}
