@@ -90,6 +90,41 @@ def add_norm(
     return total, out
 
 
+# -- padding rows ------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _zero_rows_past_kernel(out_ptr, cu_ptr, last, n_rows, row_width, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # blocks of rows below cu[last] (the real rows) exit at once; the others write zeros
+        start = tl.program_id(0) * BLOCK_ROWS
+        real = tl.load(cu_ptr + last)
+        if start + BLOCK_ROWS > real:
+            for r in range(BLOCK_ROWS):
+                row = start + r
+                if row >= real and row < n_rows:
+                    for c in range(0, row_width, BLOCK):
+                        cols = c + tl.arange(0, BLOCK)
+                        ptr = out_ptr + row.to(tl.int64) * row_width + cols
+                        tl.store(ptr, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=cols < row_width)
+
+
+def zero_rows_past(out: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Zero the rows of a contiguous `out` [S, ...] at and past cu_seqlens[-1] (bucket padding), read on
+    the device. Flash kernels write only rows inside segments, so those rows keep whatever the
+    allocator left there (possibly NaN bit patterns), and FA4 reads keys and values past a segment's
+    end (masked scores, yet 0 * NaN = NaN): the next layer would leak them into the last image."""
+    rows = out.shape[0]
+    if not fused(out):
+        real = torch.arange(rows, device=out.device) < cu_seqlens[-1].long()
+        return out.masked_fill_(~real.view(-1, *([1] * (out.dim() - 1))), 0)
+    assert out.is_contiguous(), out.stride()
+    width = out.numel() // max(rows, 1)
+    _zero_rows_past_kernel[(triton.cdiv(rows, 64),)](
+        out, cu_seqlens, cu_seqlens.shape[0] - 1, rows, width, BLOCK_ROWS=64, BLOCK=1024,
+    )  # fmt: skip
+    return out
+
+
 # -- rotary on packed qkv ------------------------------------------------------------------------
 if triton is not None:
 

@@ -49,6 +49,11 @@ def check_kernels(monkeypatch, device, dtype, rows, tol):
     cos12, sin12 = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     got, ref = run_both(monkeypatch, kernels.rotary_qkv, r(rows, 3 * 12 * 24), cos12, sin12, 12)
     assert all(rel_err(g, e) <= tol for g, e in zip(got, ref, strict=True))
+    out = r(rows, 4, 20)
+    cu = torch.tensor([0, rows // 3, rows // 2, rows // 2], dtype=torch.int32, device=device)
+    out[rows // 2 :] = float("nan")
+    got, ref = run_both(monkeypatch, lambda o: kernels.zero_rows_past(o.clone(), cu), out)
+    assert torch.equal(got, ref) and torch.equal(got[: rows // 2], out[: rows // 2]) and not got[rows // 2 :].any()
     gu = r(rows, 2 * 200)
     got, ref = run_both(monkeypatch, kernels.silu_mul, gu)
     assert rel_err(got, ref) <= tol

@@ -232,6 +232,8 @@ class GraphRunner:
         src = pixel_values[starts[idx[0]] : starts[idx[-1] + 1]]
         rows = src.shape[0]
         ws.pixel_values[:rows].copy_(src, non_blocking=True)
+        # padding rows are zeros, not the last pack's pixels: deterministic, and finite whatever was there
+        ws.pixel_values[rows:].zero_()
         # pinned: a pageable upload may wait for the replays already queued (GraphEncoder.encode_async)
         frames = torch.zeros(shape.max_images, 2, dtype=torch.long, pin_memory=self.device.type == "cuda")
         frames[: len(idx)] = torch.tensor([grid[i][1:] for i in idx])
