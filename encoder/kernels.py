@@ -130,10 +130,11 @@ if triton is not None:
 
     @triton.jit
     def _rotary_qk_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HALF_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr,
+        qkv_ptr, cos_ptr, sin_ptr, out_ptr, cu_ptr, last, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HALF_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr, HAS_OUT: tl.constexpr,
     ):  # fmt: skip
-        # one program per token: rotate q and k of every head in place; v is not touched
+        # one program per token: rotate q and k of every head in place; v is not touched. Rows past
+        # cu[last] (padding) also zero their row of the attention output `out` [S, H, D]
         row = tl.program_id(0).to(tl.int64)
         half = HEAD_DIM // 2
         heads = tl.arange(0, HEADS_BLOCK)[:, None]  # a power of two, masked to HEADS (12 heads: 16 lanes)
@@ -149,6 +150,11 @@ if triton is not None:
             b = tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
             tl.store(ptr, (a * c - b * s).to(qkv_ptr.dtype.element_ty), mask=mask)
             tl.store(ptr + half, (b * c + a * s).to(qkv_ptr.dtype.element_ty), mask=mask)
+        if HAS_OUT and row >= tl.load(cu_ptr + last):
+            dst = out_ptr + row * width + heads * HEAD_DIM + cols
+            zero = tl.zeros([HEADS_BLOCK, HALF_BLOCK], dtype=out_ptr.dtype.element_ty)
+            tl.store(dst, zero, mask=mask)
+            tl.store(dst + half, zero, mask=mask)
 
 
 def _rotate_half(x):
@@ -156,8 +162,13 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int):
+def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, out=None, cu_seqlens=None):
     """Split packed qkv [S, 3*H*D] into q, k, v [S, H, D], q and k rotated.
+
+    With `out` (the attention output buffer [S, H, D], contiguous) and `cu_seqlens`, its padding rows
+    (past cu_seqlens[-1]) are zeroed in the same pass: backends write only rows inside segments, and
+    the next layer's FA4 reads keys/values past a segment's end, so those rows must not hold an
+    allocator's NaN bit patterns (`zero_rows_past`, here at no extra launch).
 
     cos/sin: [S, D] float32 whose halves are equal (2D rotary duplicates the angle table); the
     rotation is computed in float32 as in the reference. On CUDA q and k are rotated in place and
@@ -173,11 +184,17 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
             xf = x.float()
             return (xf * cos[:, None] + _rotate_half(xf) * sin[:, None]).to(x.dtype)
 
+        if out is not None:
+            zero_rows_past(out, cu_seqlens)
         return rot(q), rot(k), v.contiguous()
     assert qkv.is_contiguous(), qkv.stride()
+    has_out = out is not None
+    assert not has_out or (out.is_contiguous() and out.shape == q.shape), out
     _rotary_qk_kernel[(rows,)](
-        qkv, cos, sin, HEADS=heads, HEAD_DIM=head_dim,
-        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads), num_warps=4,
+        qkv, cos, sin, out if has_out else qkv, cu_seqlens if has_out else cos,
+        cu_seqlens.shape[0] - 1 if has_out else 0, HEADS=heads, HEAD_DIM=head_dim,
+        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads),
+        HAS_OUT=has_out, num_warps=4,
     )  # fmt: skip
     return q, k, v
 

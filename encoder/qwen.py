@@ -49,8 +49,9 @@ class VisionAttention(nn.Module):
     def forward(self, x, cu_seqlens, max_seqlen, cos, sin):
         # x: [S, D] packed tokens
         s, d = x.shape
-        q, k, v = rotary_qkv(self.qkv(x), cos, sin, self.num_heads)  # each [S, H, D/H], unit stride on D/H
-        out = torch.empty_like(q)
+        # padding rows of `out` are zeroed by the rotary pass (no backend writes them)
+        out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=x.dtype, device=x.device)
+        q, k, v = rotary_qkv(self.qkv(x), cos, sin, self.num_heads, out, cu_seqlens)  # each [S, H, D/H]
         self.backend(q, k, v, cu_seqlens, max_seqlen, out)
         return self.proj(out.view(s, d))
 

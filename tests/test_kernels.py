@@ -44,6 +44,13 @@ def check_kernels(monkeypatch, device, dtype, rows, tol):
     # the kernel rotates q and k in place and returns views of qkv; v is never written
     assert all(g.data_ptr() == qkv.data_ptr() + i * 320 * qkv.element_size() for i, g in enumerate(got))
     assert torch.equal(qkv[:, 640:], v_before)
+    # with the attention output buffer: its padding rows (past cu[-1]) are zeroed, the others untouched
+    for use_kernel in (False, True):
+        monkeypatch.setattr(kernels, "fused", lambda x, k=use_kernel: k)
+        out = torch.full((rows, 4, 80), float("nan"), dtype=dtype, device=device)
+        cu = torch.tensor([0, rows // 2, rows - 2], dtype=torch.int32, device=device)
+        kernels.rotary_qkv(r(rows, 3 * 320), cos, sin, 4, out, cu)
+        assert out[: rows - 2].isnan().all() and not out[rows - 2 :].any(), use_kernel
     # a head count that is not a power of two (Qwen3.5-0.8B: 12 heads)
     angles = torch.randn(rows, 12, generator=torch.Generator().manual_seed(1)).to(device)
     cos12, sin12 = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
