@@ -14,20 +14,21 @@ pooling ("model", or "mean" for Qwen), which the batch jobs use.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
 
 from .attention import available_backends, default_backend_name, get_backend
-from .checkpoint import load_config, load_weights, read_json
+from .checkpoint import load_weights, read_json
 from .config import ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
-from .errors import ConfigError, InvalidArgumentError
+from .errors import ConfigError, InvalidArgumentError, RandomWeightsWarning
 from .geometry import frames_of
+from .hub import ResolvedModel, resolve_model
 from .outputs import LLMOutput
 from .patch_batch import PatchBatch
 from .preprocess import PreprocessConfig, preprocess
 from .preprocess_vit import VitPreprocessConfig, check_matches_model, preprocess_vit
-from .presets import preset
 from .qwen import QwenVisionTower
 from .qwen3 import Qwen3VisionTower
 from .tower import TowerOutput
@@ -116,11 +117,24 @@ class VisionEncoder:
         model: QwenVisionTower | VitTower,
         preprocess_config: PreprocessConfig | VitPreprocessConfig,
         name: str = "custom",
+        source: ResolvedModel | None = None,
     ):
         self.config = config
         self.model = model
         self.preprocess_config = preprocess_config
         self.name = name
+        self.source = source  # where config and weights came from (None: built by hand)
+
+    @property
+    def random_weights(self) -> bool:
+        """True for presets: seeded random weights, not a trained model's."""
+        return self.source is not None and self.source.random_weights
+
+    def model_info(self) -> dict:
+        """JSON-ready: name, kind (preset | dir | hub | custom), random_weights, path, revision, commit."""
+        if self.source is None:
+            return {"name": self.name, "kind": "custom", "random_weights": False}
+        return self.source.info()
 
     @property
     def device(self) -> torch.device:
@@ -302,20 +316,31 @@ def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
     return build_vit_tower(config, backend) if is_fixed_resolution(config) else QwenVisionTower(config, backend)
 
 
+def warn_random_weights(name: str) -> None:
+    """Once per preset and process (the warnings registry keys on the text): its embeddings mean nothing."""
+    warnings.warn(
+        f"model {name!r} is a preset with RANDOM weights: its embeddings carry no meaning. For real weights "
+        "pass a Hugging Face Hub id (e.g. model=Qwen/Qwen2.5-VL-7B-Instruct) or a local checkpoint directory",
+        RandomWeightsWarning,
+        stacklevel=3,
+    )
+
+
 def load(
-    model: str = "tiny",
+    model: str | Path | ResolvedModel = "tiny",
     *,
     device=None,
     dtype=None,
     attention: str | None = None,
     seed: int = 0,
 ) -> VisionEncoder:
-    """A `VisionEncoder` from a preset name (random weights) or a local checkpoint directory."""
+    """A `VisionEncoder` from a preset name (random weights; warns), a local checkpoint directory or a
+    Hugging Face Hub id `org/name[@revision]` (`encoder.hub.resolve_model`, which runs first: a bad
+    model fails before anything is built)."""
+    source = model if isinstance(model, ResolvedModel) else resolve_model(model)
     device = torch.device(device) if device is not None else default_device()
     dtype = _resolve_dtype(dtype, device)
-    path = Path(model)
-    is_dir = path.is_dir()
-    config = load_config(path) if is_dir else preset(model)
+    config, path = source.config, source.path
     backend = get_backend(attention) if attention else default_backend(device, dtype, config)
     why = backend.supports(device, dtype, config.head_dim)
     if why:
@@ -325,10 +350,12 @@ def load(
     with torch.device("meta"):
         tower = build_tower(config, backend)
     tower = tower.to_empty(device="cpu")
-    if is_dir:
+    if path is not None:
         load_weights(tower, path)
     else:
         init_random_weights(tower, seed)
-    pp = preprocess_config_for(config, path if is_dir else None)
+    pp = preprocess_config_for(config, path)
     tower = tower.to(device=device, dtype=dtype).eval()
-    return VisionEncoder(config, tower, pp, name=str(path) if is_dir else model)
+    if source.random_weights:
+        warn_random_weights(source.name)
+    return VisionEncoder(config, tower, pp, name=source.name, source=source)

@@ -56,13 +56,27 @@ def load_config(directory: Path) -> VisionConfig:
         raise CheckpointError(f"{directory / 'config.json'}: {exc}") from None
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` (tensor name -> shard file) of a `model.safetensors.index.json`."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+    return weight_map
+
+
+def vision_shards(weight_map: dict[str, str]) -> list[str]:
+    """The shards a vision tower needs: those holding a tensor whose name says vision or visual
+    (`model.visual.`, `visual.`, `vision_model.`, `vision_tower.`, CLIP's `visual_projection`), or
+    every shard when no name does (a tower saved alone, unprefixed). A 7B VLM's tower lives in one
+    or two of its shards: the LLM's are neither downloaded from the Hub nor required on disk."""
+    marked = [shard for name, shard in weight_map.items() if "visual" in name or "vision" in name]
+    return list(dict.fromkeys(marked or weight_map.values()))
+
+
 def weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
-        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        files = [directory / name for name in vision_shards(read_weight_map(index))]
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{index} lists shards that are missing: {', '.join(missing)}")

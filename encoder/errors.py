@@ -35,3 +35,7 @@ class BackendUnavailableError(ConfigError):
 
 class InvalidArgumentError(EncoderError, ValueError):
     """An argument has a value the encoder does not accept (unknown pooling mode, bad batch)."""
+
+
+class RandomWeightsWarning(UserWarning):
+    """A preset was loaded: its weights are seeded random numbers, not a trained model's."""
