@@ -91,8 +91,9 @@ def l2_normalize(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def check_pooling(pooling: str) -> None:
     """The name is known (family-independent; `resolve_pooling` checks that the model supports it)."""
-    if pooling not in POOLINGS:
-        raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+    if not isinstance(pooling, str) or pooling not in POOLINGS:
+        shown = repr(pooling) if isinstance(pooling, str) else f"of type {type(pooling).__name__}"
+        raise InvalidArgumentError(f"unknown pooling {shown}; expected one of {', '.join(POOLINGS)}")
 
 
 def resolve_pooling(pooling: str | None, config: VisionConfig) -> str:
@@ -260,6 +261,16 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        shown = repr(device) if isinstance(device, str) else f"of type {type(device).__name__}"
+        raise ConfigError(f"unknown device {shown}; expected cpu, cuda or cuda:N") from None
+
+
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -267,8 +278,9 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-    if dtype not in names:
-        raise ConfigError(f"unknown dtype {dtype!r}; expected one of {', '.join(names)}")
+    if not isinstance(dtype, str) or dtype not in names:
+        shown = repr(dtype) if isinstance(dtype, str) else f"of type {type(dtype).__name__}"
+        raise ConfigError(f"unknown dtype {shown}; expected one of {', '.join(names)}")
     return names[dtype]
 
 
@@ -338,8 +350,10 @@ def load(
     Hugging Face Hub id `org/name[@revision]` (`encoder.hub.resolve_model`, which runs first: a bad
     model fails before anything is built)."""
     source = model if isinstance(model, ResolvedModel) else resolve_model(model)
-    device = torch.device(device) if device is not None else default_device()
+    device = _resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
+    if attention is not None and not isinstance(attention, str):
+        raise ConfigError(f"attention must be a backend name, got {type(attention).__name__}")
     config, path = source.config, source.path
     backend = get_backend(attention) if attention else default_backend(device, dtype, config)
     why = backend.supports(device, dtype, config.head_dim)

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import VisionConfig, from_hf_dict
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, reason
 
 _PREFIXES = ("model.visual.", "visual.", "vision_tower.", "")
 
@@ -34,7 +34,7 @@ def read_json(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        raise CheckpointError(f"{path}: not valid JSON ({reason(exc)})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
@@ -97,7 +97,7 @@ def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from None
+        raise CheckpointError(f"{path}: cannot read safetensors file ({reason(exc)})") from None
 
 
 def read_vision_state(
@@ -143,7 +143,7 @@ def read_vision_state(
                 try:
                     state[key if key in top_level else key[len(prefix) :]] = f.get_tensor(key)
                 except (SafetensorError, OSError, ValueError) as exc:
-                    raise CheckpointError(f"{path}: tensor {key!r} is unreadable ({exc})") from None
+                    raise CheckpointError(f"{path}: tensor {key!r} is unreadable ({reason(exc)})") from None
     _check_unexpected(directory, files, prefix, expected | set(top_level))
     return state
 

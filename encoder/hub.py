@@ -16,6 +16,7 @@ Anything else that looks like a path (`/x`, `./x`, `~/x`, `x/y/z`) is a missing 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from .checkpoint import load_config, read_weight_map, vision_shards
 from .config import VisionConfig
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, reason
 from .presets import PRESETS
 
 CONFIG_FILES = ("config.json", "preprocessor_config.json", "model.safetensors.index.json")
@@ -102,7 +103,9 @@ def resolve_model(model: str | Path, *, download_weights: bool = True) -> Resolv
     the repository has safetensors without downloading them: the check a service's driver makes
     before its replicas, which download the weights themselves, start.
     """
-    given = str(model)
+    if not isinstance(model, str | os.PathLike):
+        raise ConfigError(f"model must be a str or a path, got {type(model).__name__}; {accepted()}")
+    given = os.fspath(model)
     if not given.strip():
         raise ConfigError(f"model is empty; {accepted()}")
     if given in PRESETS:
@@ -195,7 +198,8 @@ def _snapshot(given: str, repo_id: str, revision: str | None, patterns: list[str
         status = exc.response.status_code if exc.response is not None else "?"
         raise ConfigError(f"model {given!r}: the Hub answered HTTP {status} for {repo_id}") from None
     except OSError as exc:  # disk full, unwritable cache, connection reset mid-download
-        raise ConfigError(f"model {given!r}: downloading {repo_id} failed ({type(exc).__name__}: {exc})") from None
+        what = f"{type(exc).__name__}: {reason(exc)}"
+        raise ConfigError(f"model {given!r}: downloading {repo_id} failed ({what})") from None
     return Path(folder)
 
 
