@@ -350,6 +350,8 @@ def load(
     Hugging Face Hub id `org/name[@revision]` (`encoder.hub.resolve_model`, which runs first: a bad
     model fails before anything is built)."""
     source = model if isinstance(model, ResolvedModel) else resolve_model(model)
+    if not source.weights_on_disk:  # checked earlier without its weights (a service's driver): fetch them now
+        source = resolve_model(source.given)
     device = _resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
     if attention is not None and not isinstance(attention, str):

@@ -67,6 +67,9 @@ class ResolvedModel:
     random_weights: bool = False
     revision: str | None = None  # hub: the revision asked for (None: the default branch)
     commit: str | None = None  # hub: the snapshot's commit
+    # False only for a Hub model checked with download_weights=False whose weights are not cached yet
+    # (`encoder.load` of it downloads them)
+    weights_on_disk: bool = True
 
     def info(self) -> dict:
         """JSON-ready facts for logs and `/v1/models`: name, kind, random_weights, path, revision, commit."""
@@ -172,7 +175,10 @@ def _resolve_hub(given: str, repo_id: str, revision: str | None, *, download_wei
         path = small
         if not all((path / s).exists() for s in shards):
             _check_remote_weights(given, repo_id, revision, shards)
-    return ResolvedModel(given, "hub", repo_id, config, path=path, revision=revision, commit=path.name)
+    on_disk = all((path / s).exists() for s in shards)
+    return ResolvedModel(
+        given, "hub", repo_id, config, path=path, revision=revision, commit=path.name, weights_on_disk=on_disk
+    )
 
 
 def _snapshot(given: str, repo_id: str, revision: str | None, patterns: list[str]) -> Path:

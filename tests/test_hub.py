@@ -301,6 +301,9 @@ def test_validation_only_downloads_no_weights(fake_download, sharded):
     remotes["org/sharded"] = sharded
     resolved = encoder.resolve_model("org/sharded", download_weights=False)
     assert len(calls) == 1 and not list(resolved.path.glob("*.safetensors"))
+    assert resolved.weights_on_disk is False
+    enc = encoder.load(resolved, device="cpu")  # what a replica does with the driver's answer: download, load
+    assert len(calls) == 3 and enc.source.weights_on_disk and enc.name == "org/sharded"
 
 
 def test_hub_repo_with_pickles_only(fake_download, checkpoint, tmp_path):
