@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.output is not None:  # before the model loads; the pooling is checked again once known
-            check_output(args.output, args.pooling or "")
+            check_output(args.output, args.pooling)
         data = read_files(args.images)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RandomWeightsWarning)

@@ -40,8 +40,9 @@ class ImageEmbedding:
     embedding: np.ndarray
 
 
-def check_output(output: str, pooling: str) -> None:
-    """Refuse an output that cannot be written before any work is done (the name, the format, the folder)."""
+def check_output(output: str, pooling: str | None = None) -> None:
+    """Refuse an output that cannot be written before any work is done (the name, the format, the folder;
+    with the pooling known, a format that cannot hold it)."""
     if output == STDOUT:
         return
     path = Path(output)
