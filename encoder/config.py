@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
+from .errors import ConfigError, reason, validation_reason
 
 
 class _QwenVisionBase(BaseModel):
@@ -365,5 +365,7 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
     known = {k: v for k, v in fields.items() if k in cls.model_fields and k != "family"}
     try:
         return cls(**known)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid vision config: {validation_reason(exc)}") from exc
     except ValueError as exc:
-        raise ConfigError(f"invalid vision config: {exc}") from exc
+        raise ConfigError(f"invalid vision config: {reason(exc)}") from exc

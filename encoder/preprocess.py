@@ -25,10 +25,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from encoder.errors import ConfigError, ImageDecodeError, ImageTooLargeError, InvalidImageError
+from encoder.errors import (
+    ConfigError,
+    ImageDecodeError,
+    ImageTooLargeError,
+    InvalidImageError,
+    reason,
+    validation_reason,
+)
 from encoder.patch_batch import PatchBatch
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -129,7 +136,7 @@ class PreprocessConfig(BaseModel):
         try:
             return cls(**kwargs)
         except ValidationError as e:
-            raise ConfigError(f"invalid preprocessor config: {e}") from e
+            raise ConfigError(f"invalid preprocessor config: {validation_reason(e)}") from e
 
 
 def _first(*values: Any) -> Any:
@@ -187,9 +194,14 @@ def _decode(data: bytes, cfg: PreprocessConfig) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # The warning only arrives as an exception if the caller's warning filters say so; we never
         # touch the (process-global, thread-unsafe) filters ourselves.
-        raise ImageTooLargeError(f"image refused as a decompression bomb: {e}") from e
+        raise ImageTooLargeError(f"image refused as a decompression bomb: {reason(e)}") from e
+    except UnidentifiedImageError as e:  # no plugin recognised the header
+        raise ImageDecodeError(
+            f"cannot identify image data ({len(data)} bytes): not an image in a known format "
+            f"(accepted: {', '.join(sorted(cfg.allowed_formats))})"
+        ) from e
     except Exception as e:  # Pillow plugins raise many types on garbage input
-        raise ImageDecodeError(f"cannot identify image data ({len(data)} bytes): {e}") from e
+        raise ImageDecodeError(f"cannot identify image data ({len(data)} bytes): {reason(e)}") from e
     fmt = _FORMAT_ALIASES.get(img.format or "", img.format)
     if fmt not in cfg.allowed_formats:
         raise ImageDecodeError(
@@ -203,9 +215,9 @@ def _load(img: Image.Image) -> Image.Image:
     try:
         img.load()  # Image.open is lazy; force the full decode so truncation is caught here
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageTooLargeError(f"image refused as a decompression bomb: {e}") from e
+        raise ImageTooLargeError(f"image refused as a decompression bomb: {reason(e)}") from e
     except Exception as e:
-        raise ImageDecodeError(f"{img.format or img.mode} image is truncated or corrupt: {e}") from e
+        raise ImageDecodeError(f"{img.format or img.mode} image is truncated or corrupt: {reason(e)}") from e
     return img
 
 
@@ -228,7 +240,7 @@ def _to_rgb(img: Image.Image) -> Image.Image:
             return Image.alpha_composite(white, rgba).convert("RGB")
         return img if img.mode == "RGB" else img.convert("RGB")  # converting RGB would only copy it
     except (ValueError, OSError) as e:
-        raise InvalidImageError(f"cannot convert image of mode {img.mode} to RGB: {e}") from e
+        raise InvalidImageError(f"cannot convert image of mode {img.mode} to RGB: {reason(e)}") from e
 
 
 def _from_array(arr: np.ndarray, cfg: PreprocessConfig) -> Image.Image:
@@ -340,7 +352,8 @@ def patchify(pixels: torch.Tensor, cfg: PreprocessConfig = DEFAULT_CONFIG) -> to
 
 def _check_pixels(pixels: torch.Tensor, cfg: PreprocessConfig) -> None:
     if not isinstance(pixels, torch.Tensor) or pixels.dtype != torch.uint8:
-        raise InvalidImageError(f"patchify expects a uint8 tensor, got {getattr(pixels, 'dtype', type(pixels))}")
+        got = getattr(pixels, "dtype", type(pixels).__name__)
+        raise InvalidImageError(f"patchify expects a uint8 tensor, got {got}")
     if pixels.dim() != 3 or pixels.shape[2] != 3:
         raise InvalidImageError(f"patchify expects shape [H, W, 3], got {tuple(pixels.shape)}")
     h, w, _ = pixels.shape

@@ -33,7 +33,7 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from encoder.config import ClipVisionConfig, VitVisionConfig
-from encoder.errors import ConfigError, InvalidImageError
+from encoder.errors import ConfigError, InvalidImageError, validation_reason
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import (
     DEFAULT_FORMATS,
@@ -167,7 +167,7 @@ class VitPreprocessConfig(BaseModel):
         try:
             return cls(patch_size=cfg.patch_size, **kwargs, **overrides)
         except ValidationError as e:
-            raise ConfigError(f"invalid preprocessing for this model: {e}") from e
+            raise ConfigError(f"invalid preprocessing for this model: {validation_reason(e)}") from e
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], cfg: VitVisionConfig) -> VitPreprocessConfig:
@@ -214,7 +214,7 @@ class VitPreprocessConfig(BaseModel):
         try:
             pp = cls(**kwargs)
         except ValidationError as e:
-            raise ConfigError(f"invalid preprocessor config: {e}") from e
+            raise ConfigError(f"invalid preprocessor config: {validation_reason(e)}") from e
         check_matches_model(pp, cfg)
         return pp
 
