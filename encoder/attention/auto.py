@@ -5,20 +5,23 @@ A tower's layers are of kinds: "full" (attention over whole images) and, for Qwe
 from the call's static `max_seqlen` bound and head dim: inside a CUDA graph that is the shape's
 bound, so each captured shape bakes in its own choice (a 1 x 224² pack and an 8 x 896² pack of the
 same tower may run different kernels). The rule is a ranking measured on the H200 (graph replay,
-bf16, 16 heads; issue 15's table and BENCHMARKS.md, 2026-12-01):
+bf16, 16 heads, `benchmarks/attention.py`, BENCHMARKS.md 2026-12-01 second session, run 2; ms):
 
-| segments            | fa4      | torch_varlen | triton   |
-| ------------------- | -------: | -----------: | -------: |
-| 1 x 256  (hd 80)    | 0.016 ms | 0.019 ms     | 0.011 ms |
-| 32 x 256 (hd 80)    | 0.092    | 0.082        | 0.077    |
-| 512 x 64 (windows)  | 0.630    | 0.240        | 0.154    |
-| 1 x 1024 (hd 80)    | 0.029    | 0.040        | 0.031    |
-| 8 x 4096 (hd 80)    | 1.28     | 2.67         | 2.95     |
-| Qwen3-VL-8B tower (hd 72), 8 x 896² | 76.8 | 108.3 | 171 (whole forward) |
+| segments          | hd | triton | torch_varlen | fa4   |
+| ----------------- | -: | -----: | -----------: | ----: |
+| 1 x 256           | 80 | 0.019  | 0.025        | 0.015 |
+| 32 x 256          | 80 | 0.079  | 0.118        | 0.079 |
+| 16 x 512          | 80 | 0.125  | 0.149        | 0.081 |
+| 8 x 1024          | 80 | 0.213  | 0.229        | 0.122 |
+| 8 x 4096          | 80 | 2.945  | 2.719        | 1.218 |
+| 512 x 64 windows  | 80 | 0.149  | 0.350        | 0.580 |
+| 32 x 256          | 72 | 0.564  | 0.110        | 0.087 |
+| 8 x 4096          | 72 | 7.019  | 2.832        | 1.334 |
 
 so: segments of at most `SHORT_SEGMENT` tokens with a head dim that is a multiple of 16 -> our
-Triton kernel; longer segments, or head dims such as 72 (which our kernel pads to a power of two)
--> FA4, then torch's varlen flash kernel. `sdpa` is last everywhere (and the only choice on CPU).
+Triton kernel (it ties or wins there, and wins 64-token windows by 4x); longer segments, or head
+dims such as 72 (which our kernel pads to 128 lanes) -> FA4, then torch's varlen flash kernel.
+`sdpa` is last everywhere (and the only choice on CPU).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..errors import BackendUnavailableError, ConfigError
 from .base import AttentionBackend
 from .registry import available_backends, get_backend
 
-SHORT_SEGMENT = 256  # tokens; Triton wins or ties up to 256, FA4 from 512 on (16 x 512: 0.081 vs 0.125 ms)
+SHORT_SEGMENT = 256  # tokens: Triton ties or wins up to 256, FA4 wins from 512 on (16 x 512: 0.081 vs 0.125 ms)
 SHORT_FIRST = ("triton", "torch_varlen", "fa4", "fa3", "flash_attn", "sdpa")
 LONG_FIRST = ("fa4", "fa3", "torch_varlen", "flash_attn", "triton", "sdpa")
 
