@@ -27,6 +27,19 @@ class ImageTooLargeError(InvalidImageError):
     """The image exceeds a configured size limit (pixels, bytes); also raised for decompression bombs."""
 
 
+class ImageTooComplexError(ImageTooLargeError):
+    """The encoded image's structure exceeds a limit that bounds decoding cost (JPEG scans, PNG chunks,
+    frames or pages), found before decoding; a CPU decompression bomb such as a progressive-JPEG scan bomb."""
+
+
+class DecodeTimeoutError(ImageTooComplexError):
+    """Decoding one image took longer than its deadline; the worker process decoding it was killed."""
+
+
+class DecodeWorkerError(ImageDecodeError):
+    """The worker process decoding an image died (crash, out of memory, signal) before answering."""
+
+
 class ConfigError(EncoderError):
     """A model config, preset name or option is invalid or unknown."""
 

@@ -13,7 +13,8 @@ The pipeline is split so the service can ship compact data between processes:
   * Resize: PIL bicubic on the uint8 RGB image, `reducing_gap=None`.
   * Rescale in float64 then cast to float32; normalise in float32. `patchify` uses a 256-entry lookup
     table per channel built that way, so results are bit-identical on CPU and need no float64 on device.
-Untrusted bytes are checked before full decode: format allowlist, header size (decompression bombs).
+Untrusted bytes are checked before full decode: structure (`encoder.image_guard`: JPEG scan counts, chunk
+and frame counts, CPU bombs), format allowlist, header size (decompression bombs).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from encoder.errors import (
     reason,
     validation_reason,
 )
+from encoder.image_guard import DEFAULT_LIMITS, ImageLimits, check_structure
 from encoder.patch_batch import PatchBatch
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -87,6 +89,11 @@ class PreprocessConfig(BaseModel):
     )
     allowed_formats: frozenset[str] = Field(
         DEFAULT_FORMATS, description="Pillow format names accepted for encoded bytes (upper case)."
+    )
+    image_limits: ImageLimits = Field(
+        DEFAULT_LIMITS,
+        description="Structural limits on encoded bytes (JPEG scans, chunks, frames), checked "
+        "before Pillow parses them (`encoder.image_guard`).",
     )
 
     @field_validator("image_std")
@@ -189,6 +196,9 @@ def _check_size(width: int, height: int, cfg: PreprocessConfig) -> None:
 def _decode(data: bytes, cfg: PreprocessConfig) -> Image.Image:
     if not data:
         raise ImageDecodeError("image bytes are empty")
+    # Before Image.open: Pillow parses JPEG segments up to the first scan in Python, so a file of
+    # millions of tiny segments would already cost seconds there.
+    check_structure(data, cfg.image_limits)
     try:
         img = Image.open(io.BytesIO(data))  # parses the header only
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from encoder.config import ClipVisionConfig, VitVisionConfig
 from encoder.errors import ConfigError, InvalidImageError, validation_reason
+from encoder.image_guard import DEFAULT_LIMITS, ImageLimits
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import (
     DEFAULT_FORMATS,
@@ -79,6 +80,9 @@ class VitPreprocessConfig(BaseModel):
         100_000_000, gt=0, description="Limit on width*height of the decoded input (see PreprocessConfig)."
     )
     allowed_formats: frozenset[str] = Field(DEFAULT_FORMATS, description="Pillow format names accepted for bytes.")
+    image_limits: ImageLimits = Field(
+        DEFAULT_LIMITS, description="Structural limits on encoded bytes (see PreprocessConfig)."
+    )
 
     @field_validator("image_std")
     @classmethod
