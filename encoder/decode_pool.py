@@ -8,23 +8,25 @@ worker that dies while decoding (segfault, `os._exit`, OOM kill) gives `DecodeWo
 replaced the same way. Errors the decode raises for the image (`EncoderError` subclasses) arrive as
 themselves.
 
-    pool = DecodePool(workers=2)                      # blocks until the workers are ready
-    pixels = pool.decode(data, deadline_s=2.0)        # uint8 [H, W, 3] RGB, from any thread
-    pixels = await pool.decode_async(data, 2.0)       # never blocks the event loop
-    pool.close()                                      # or `with DecodePool(...) as pool:`
+    pool = DecodePool(workers=2)                  # blocks until the workers are ready; or `with ... as pool`
+    pixels = pool.decode(data, deadline_s=2.0)    # uint8 [H, W, 3] RGB, from any thread
+    pixels = await pool.decode_async(data, 2.0)   # never blocks the event loop; then pool.close()
 
-Workers are started with the `forkserver` context: the fork server is a fresh interpreter that imports
-`encoder.preprocess` once (several seconds here, torch comes with it), and each worker is forked from
-it, so no CUDA context or thread of the caller is inherited and a replacement starts in milliseconds.
-`spawn` is the portable alternative (each worker imports everything itself). Cancelling `decode_async`
-drops a call still waiting for a worker; a call already decoding stops its worker (killed, replaced),
-since its caller is gone. Pixels come back through the worker's pipe into a preallocated array.
+Workers come from the `forkserver` context: a fresh interpreter imports `encoder.preprocess` once
+(seconds: torch comes with it) and forks each worker, so nothing of the caller (CUDA, threads) is
+inherited and a replacement is ready in ~0.1 s (`spawn` works too, each worker importing everything).
+Cancelling `decode_async` drops a call waiting for a worker and stops (kills, replaces) the worker of
+one already decoding, since its caller is gone. Pixels come back through the worker's pipe.
 
-Per-image cost of the pool over decoding inline (`load_image` + `np.asarray` in the calling thread),
-measured on this project's 2-core CPU box under load from other jobs, median of 20:
-  224x224 JPEG q90: inline 0.75 ms, pool 1.6 ms (+0.85 ms: two pipe round trips and 150 KB of pixels)
-  2048x2048 JPEG q90: inline 62 ms, pool 75 ms (+13 ms: 12.6 MB of pixels through the pipe)
-  worker replacement after a kill: ~40 ms until the new worker is ready (fork server already running)
+Per-image cost of the pool over decoding inline in the calling thread (`benchmarks/decode_limits.py`,
+median of 20-30 interleaved runs on a 2-core box shared with other jobs, load average ~9: noisy):
+  decode_rgb 224x224 JPEG q90:     inline 0.6-0.7 ms, pool 0.9-1.1 ms (+0.3-0.6 ms: two pipe round trips)
+  decode_rgb 2048x2048 JPEG q90:   inline 34-40 ms, pool 58-59 ms (+17-25 ms: 12.6 MB of pixels)
+  decode_resized 2048x2048 -> 980x980: inline 133-157 ms, pool 122-219 ms (2.9 MB back; within the noise)
+  replacement after a kill, until the next decode is answered on a 1-worker pool: 110-170 ms
+So the pool costs a small image ~0.5 ms and a large one ~1.4 ms per MB of pixels returned (the pipe
+alone moves 12.6 MB in 13.6 ms, a memcpy takes 2.5 ms: shared memory would save at most ~1 ms/MB);
+resizing in the worker (`decode_resized`) returns only the model-sized array.
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from encoder.errors import DecodeTimeoutError, DecodeWorkerError, EncoderError, reason
 from encoder.preprocess import DEFAULT_CONFIG, PreprocessConfig, load_image
+from encoder.preprocess_vit import resize_image_for
 
 log = logging.getLogger(__name__)
 _SLICE_S = 0.05  # how often a waiting call looks at its cancel flag and at the pool's state
@@ -51,6 +54,12 @@ _SLICE_S = 0.05  # how often a waiting call looks at its cancel flag and at the 
 def decode_rgb(data: bytes, cfg: PreprocessConfig) -> np.ndarray:
     """The pool's default decode: the project's own bytes path, as uint8 [H, W, 3] RGB."""
     return np.asarray(load_image(data, cfg))
+
+
+def decode_resized(data: bytes, cfg: PreprocessConfig) -> np.ndarray:
+    """Decode and resize to the model's input size (`resize_image_for`: what the ingress sends the
+    encoder), so only the resized pixels cross the pipe."""
+    return resize_image_for(load_image(data, cfg), cfg)
 
 
 def _serve(conn, decode_fn: Callable, cfg) -> None:
@@ -74,14 +83,10 @@ def _serve(conn, decode_fn: Callable, cfg) -> None:
 
 
 def _how(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
+    if exitcode is None or exitcode >= 0:
+        return "still running" if exitcode is None else f"exit code {exitcode}"
+    names = {int(s): s.name for s in signal.Signals}
+    return f"killed by {names.get(-exitcode, f'signal {-exitcode}')}"
 
 
 class _Worker:
@@ -109,13 +114,18 @@ class _Worker:
 
     def stop(self) -> int | None:
         code = self.kill()
-        self.conn.close()
+        self.conn.close()  # idempotent
         return code
 
 
 class DecodePool:
     """`workers` decode processes; `decode_fn(data, cfg) -> uint8 HWC array` (module-level, picklable)
-    runs in them, by default `decode_rgb` (`encoder.preprocess.load_image` with `cfg`)."""
+    runs in them, by default `decode_rgb` (`encoder.preprocess.load_image` with `cfg`).
+
+    Like every spawn / forkserver child, a worker first imports the caller's main script as __mp_main__
+    (not for `python -m pkg`): under Ray that is Ray's worker script, which imports ray, so a Ray actor
+    should pass `preload=("encoder.preprocess", "ray")` to have that import done once in the fork server.
+    """
 
     def __init__(
         self,
@@ -124,14 +134,16 @@ class DecodePool:
         cfg: PreprocessConfig = DEFAULT_CONFIG,
         decode_fn: Callable = decode_rgb,
         context: str = "forkserver",
+        preload: Sequence[str] = ("encoder.preprocess",),
         start_timeout_s: float = 120.0,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._ctx = multiprocessing.get_context(context)
         if context == "forkserver":
-            # Only takes effect if this process's fork server is not running yet (one per process).
-            self._ctx.set_forkserver_preload(["encoder.preprocess"])
+            # The fork server imports these once and every worker is forked with them loaded. Only takes
+            # effect if this process's fork server is not running yet (there is one per process).
+            self._ctx.set_forkserver_preload(list(preload))
         self._args = (decode_fn, cfg)
         self._start_timeout_s = start_timeout_s
         self._idle: queue.Queue[_Worker] = queue.Queue()
@@ -155,8 +167,7 @@ class DecodePool:
         return w
 
     @property
-    def pids(self) -> list[int]:
-        """Process ids of the current workers (for monitoring and tests)."""
+    def pids(self) -> list[int]:  # of the current workers (monitoring, tests)
         with self._lock:
             return [w.proc.pid for w in self._all]
 

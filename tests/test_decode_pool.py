@@ -18,9 +18,10 @@ from decode_hooks import misbehaving_decode
 from images_util import encode, random_image
 from jpeg_bombs import scan_bomb
 
-from encoder.decode_pool import DecodePool
+from encoder.decode_pool import DecodePool, decode_resized
 from encoder.errors import DecodeTimeoutError, DecodeWorkerError, ImageDecodeError, ImageTooComplexError
-from encoder.preprocess import load_image
+from encoder.preprocess import DEFAULT_CONFIG, load_image
+from encoder.preprocess_vit import resize_image_for
 
 JPEG = encode(random_image("RGB", 224, 200), "JPEG", quality=90)
 
@@ -37,6 +38,14 @@ def test_decodes_like_load_image(pool):
         out = pool.decode(data, 30.0)
         assert out.dtype == np.uint8 and out.flags.writeable
         np.testing.assert_array_equal(out, np.asarray(load_image(data)))
+
+
+def test_decode_resized_returns_what_the_ingress_sends():
+    data = encode(random_image("RGB", 300, 500), "PNG")
+    with DecodePool(1, decode_fn=decode_resized) as p:
+        out = p.decode(data, 30.0)
+    np.testing.assert_array_equal(out, resize_image_for(load_image(data), DEFAULT_CONFIG))
+    assert out.shape[0] % 28 == 0 and out.shape[1] % 28 == 0
 
 
 def test_decode_errors_arrive_as_themselves(pool):
