@@ -57,8 +57,7 @@ def decode_rgb(data: bytes, cfg: PreprocessConfig) -> np.ndarray:
 
 
 def decode_resized(data: bytes, cfg: PreprocessConfig) -> np.ndarray:
-    """Decode and resize to the model's input size (`resize_image_for`: what the ingress sends the
-    encoder), so only the resized pixels cross the pipe."""
+    """Decode and resize to the model's input (`resize_image_for`, as the ingress): less to send back."""
     return resize_image_for(load_image(data, cfg), cfg)
 
 
@@ -114,7 +113,7 @@ class _Worker:
 
     def stop(self) -> int | None:
         code = self.kill()
-        self.conn.close()  # idempotent
+        self.conn.close()
         return code
 
 
@@ -213,8 +212,8 @@ class DecodePool:
         raise RuntimeError(f"decode function failed: {reply[1]}: {reply[2]}")
 
     async def decode_async(self, data: bytes, deadline_s: float) -> np.ndarray:
-        """`decode` on one of the pool's threads; cancelling the awaiting task drops the call (a queued
-        one never runs, a running one stops its worker)."""
+        """`decode` on a pool thread; cancelling drops the call (queued: never runs; running: its worker is
+        stopped)."""
         if self._closed:
             raise RuntimeError("the DecodePool is closed")
         cancel = threading.Event()
