@@ -19,12 +19,12 @@ Cancelling `decode_async` drops a call waiting for a worker and stops (kills, re
 one already decoding, since its caller is gone. Pixels come back through the worker's pipe.
 
 Per-image cost of the pool over decoding inline in the calling thread (`benchmarks/decode_limits.py`,
-median of 20-30 interleaved runs on a 2-core box shared with other jobs, load average ~9: noisy):
-  decode_rgb 224x224 JPEG q90:     inline 0.6-0.7 ms, pool 0.9-1.1 ms (+0.3-0.6 ms: two pipe round trips)
-  decode_rgb 2048x2048 JPEG q90:   inline 34-40 ms, pool 58-59 ms (+17-25 ms: 12.6 MB of pixels)
-  decode_resized 2048x2048 -> 980x980: inline 133-157 ms, pool 122-219 ms (2.9 MB back; within the noise)
-  replacement after a kill, until the next decode is answered on a 1-worker pool: 110-170 ms
-So the pool costs a small image ~0.5 ms and a large one ~1.4 ms per MB of pixels returned (the pipe
+median of 20-30 interleaved runs on a 2-core box shared with other jobs; load average ~2.5 [~9]):
+  decode_rgb 224x224 JPEG q90:        inline 0.54 ms, pool 0.84 ms (+0.3 ms) [+0.3-0.6 ms]
+  decode_rgb 2048x2048 JPEG q90:      inline 34 ms, pool 46 ms (+11 ms: 12.6 MB of pixels) [+17-25 ms]
+  decode_resized 2048x2048 -> 980x980: inline 93 ms, pool 97 ms (+3.5 ms: 2.9 MB) [within the noise]
+  replacement after a kill, until the next decode is answered on a 1-worker pool: 60 ms [110-170 ms]
+So the pool costs a small image ~0.3 ms and a large one ~1 ms per MB of pixels returned (the pipe
 alone moves 12.6 MB in 13.6 ms, a memcpy takes 2.5 ms: shared memory would save at most ~1 ms/MB);
 resizing in the worker (`decode_resized`) returns only the model-sized array.
 """

@@ -16,14 +16,16 @@ decode 0.23 s, 100,000 empty JPEG comments (0.4 MB) its Image.open 0.3 s, so a 2
 take seconds without these limits. Frames after the first are never decoded (`load_image` uses frame
 0), so the frame limit only bounds the walk and what a later frame-aware caller would face.
 
-Cost (`benchmarks/decode_limits.py`; a 2-core CPU box shared with other jobs, load average ~9, so
-upper bounds; best of 5): the JPEG walk is one C-level regex search per scan, ~0.5 ms per MB of
-entropy-coded data, the other formats jump from header to header:
-  224x224 JPEG q90, 10 KB: 15 us              4000x4000 JPEG q90 photo-like, 3.3 MB: 1.8 ms (decode: 105 ms)
-  4000x4000 progressive, 2.9 MB: 1.3 ms       4000x4000 JPEG of noise (worst case), 14.3 MB: 6.7 ms
-  4000x4000 PNG, 34 MB: 0.25 ms               512x512 bomb of 2,002 scans: refused in 0.15 ms
-The bomb this stops (`tests/jpeg_bombs.py`): 512x512 with 1,002 scans (13 KB) takes Pillow 0.49 s to
-decode, with 5,002 scans (61 KB) 2.0 s, on the same box.
+Cost (`benchmarks/decode_limits.py` on a 2-core CPU box shared with other jobs, two runs at load
+averages ~9 and ~2.5; best of 5): the JPEG walk is one C-level regex search per scan, ~0.5 ms per MB of
+entropy-coded data; the other formats jump from header to header:
+  224x224 JPEG q90, 10 KB: 15-23 us           4000x4000 JPEG q90 photo-like, 3.3 MB: 1.8-1.9 ms (decode 92 ms)
+  4000x4000 progressive, 2.9 MB: 1.3-1.4 ms   4000x4000 JPEG of noise (worst case), 14.3 MB: 6.7-6.9 ms
+  4000x4000 PNG, 34 MB: 0.25-0.5 ms           512x512 bomb of 2,002 scans: refused in 0.15-0.2 ms
+The bomb this stops (`tests/jpeg_bombs.py`), decoded by Pillow on the same box: 512x512 with 1,002 scans
+(13 KB) 0.34-0.49 s, with 5,002 scans (61 KB) 1.2-2.0 s. What the limit still lets through, 100 scans:
+20-24 ms at 512x512 (grayscale), 85-110 ms at 1024x1024, 1.5-2.1 s at 4096x4096 (36 KB): cost is
+scans x blocks, so large images still need a decode deadline (`encoder.decode_pool`).
 """
 
 from __future__ import annotations
