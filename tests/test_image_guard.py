@@ -32,6 +32,7 @@ NORMAL = {
     "jpeg-gray-progressive": lambda: encode(random_image("L", 64, 80), "JPEG", progressive=True),
     "jpeg-restarts": lambda: encode(random_image("RGB", 64, 80), "JPEG", quality=95, restart_marker_blocks=2),
     "jpeg-exif": lambda: encode(random_image("RGB", 40, 40), "JPEG", exif=Image.Exif().tobytes()),
+    "mpo": lambda: frames("MPO", 3),  # phone cameras: JPEG pictures one after another
     "png": lambda: encode(random_image("RGBA", 40, 50), "PNG"),
     "apng": lambda: frames("PNG", 3),
     "gif": lambda: encode(random_image("P", 40, 50), "GIF"),
@@ -186,3 +187,26 @@ def test_bytes_like_inputs():
     for v in (bytearray(data), memoryview(data)):
         with pytest.raises(ImageTooComplexError):
             check_structure(v)
+
+
+def tiff(order: str, big: bool, ifds: int, loop: bool = False) -> bytes:
+    """Empty directories chained one after another; the last points back to the first when `loop`."""
+    e = "<" if order == "II" else ">"
+    head_fmt, count_fmt, off_fmt = ("HHQ", "Q", "Q") if big else ("I", "H", "I")
+    magic = struct.pack(e + "H", 43 if big else 42)
+    first = 16 if big else 8
+    head = order.encode() + magic + (struct.pack(e + head_fmt, 8, 0, first) if big else struct.pack(e + "I", first))
+    size = struct.calcsize(count_fmt) + struct.calcsize(off_fmt)
+    body = b""
+    for i in range(ifds):
+        nxt = first + (i + 1) * size if i + 1 < ifds else (first if loop else 0)
+        body += struct.pack(e + count_fmt, 0) + struct.pack(e + off_fmt, nxt)
+    return head + body
+
+
+@pytest.mark.parametrize(("order", "big"), [("II", False), ("MM", False), ("II", True), ("MM", True)])
+def test_tiff_directory_chains(order, big):
+    check_structure(tiff(order, big, 3), ImageLimits(max_frames=3))
+    with pytest.raises(ImageTooComplexError, match="TIFF image has 3 pages, over the limit max_frames=2"):
+        check_structure(tiff(order, big, 3), ImageLimits(max_frames=2))
+    check_structure(tiff(order, big, 3, loop=True), ImageLimits(max_frames=3))  # a loop ends the walk
