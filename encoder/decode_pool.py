@@ -278,7 +278,8 @@ class DecodePool:
     # ----------------------------------------------------------------------------------------- closing
 
     def close(self) -> None:
-        """Stop every worker (busy ones too: their callers get RuntimeError); idempotent."""
+        """Stop every worker (busy ones too: their callers get RuntimeError); idempotent. The fork server
+        (one per process, idle, multiprocessing's own) stays until this process exits."""
         with self._lock:
             if self._closed:
                 return
