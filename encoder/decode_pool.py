@@ -170,8 +170,6 @@ class DecodePool:
         with self._lock:
             return [w.proc.pid for w in self._all]
 
-    # ----------------------------------------------------------------------------------------- calls
-
     def decode(self, data: bytes, deadline_s: float, *, cancel: threading.Event | None = None) -> np.ndarray:
         """Decode one image in a worker: uint8 [H, W, 3]. Waits for a free worker first (not counted in
         the deadline). Raises the decode's own EncoderError, DecodeTimeoutError when decoding takes longer
