@@ -310,6 +310,15 @@ def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
                             merge_size=config.spatial_merge_size)  # fmt: skip
 
 
+def attention_plan(config: VisionConfig, device, dtype=None, attention=None) -> dict:
+    """Layer kind -> the attention backend `load` gives this model on `device`, without weights (a
+    driver sizing buckets: `encoder.attention.graph_token_cap` of it)."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        kinds = build_tower(config, None).attention_kinds
+    return resolve_attention(attention, kinds, device, _resolve_dtype(dtype, device), config.head_dim)
+
+
 def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
     if isinstance(config, Qwen3VLVisionConfig):
         return Qwen3VisionTower(config, backend)

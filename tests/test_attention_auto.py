@@ -94,3 +94,16 @@ def test_per_kind_choice_and_its_errors():
         resolve_attention(3, ("full",), torch.device("cpu"), torch.float32, 16)
     with pytest.raises(BackendUnavailableError, match="'full' layers"):
         AutoAttention("full", {})
+
+
+def test_attention_plan_without_weights_gives_the_graph_token_cap():
+    """What a batch driver asks before any replica loads: the kinds' backends and the bucket cap."""
+    from encoder.api import attention_plan
+    from encoder.attention import graph_token_cap
+    from encoder.presets import preset
+
+    plan = attention_plan(preset("tiny"), "cpu")
+    assert set(plan) == {"full", "window"}
+    enc = encoder.load("tiny", device="cpu")
+    assert graph_token_cap(plan) == graph_token_cap(enc.model.backends) == SdpaAttention.max_graph_tokens
+    assert graph_token_cap({"full": Recording("triton")}) is None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
-from encoder.attention import describe_backend
+from encoder.attention import describe_backend, graph_token_cap
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import num_patches
@@ -146,8 +146,7 @@ class GraphEncoder:
             # the eager encoder shares the model and stays equal
             tower.fuse(pad_mlp)
         limit = max_image_patches(vision_encoder)
-        caps = [b.max_graph_tokens for b in tower.backends.values() if b.max_graph_tokens is not None]
-        cap = min(caps, default=None) if buckets is None else None
+        cap = graph_token_cap(tower.backends) if buckets is None else None
         if tower.patches_per_image is not None:
             table = fixed_table(tower.patches_per_image, buckets, cap)
         else:

@@ -7,7 +7,7 @@ backends that can run here, so a bad choice fails at load, never at graph captur
 
 from __future__ import annotations
 
-from .auto import AutoAttention, describe_backend, resolve_attention
+from .auto import AutoAttention, describe_backend, graph_token_cap, resolve_attention
 from .base import AttentionBackend
 from .registry import DEFAULT_BACKEND, available_backends, backend_names, get_backend, register
 
@@ -19,6 +19,7 @@ __all__ = [
     "backend_names",
     "describe_backend",
     "get_backend",
+    "graph_token_cap",
     "register",
     "resolve_attention",
 ]

@@ -78,6 +78,12 @@ class AutoAttention(AttentionBackend):
         return ", ".join(f"{name} (segments <= {bound})" for name, bound in top.items())
 
 
+def graph_token_cap(backends: Mapping[str, AttentionBackend]) -> int | None:
+    """The largest bucket budget every layer kind's backend can be captured at (None: no limit)."""
+    caps = [b.max_graph_tokens for b in backends.values() if b.max_graph_tokens is not None]
+    return min(caps, default=None)
+
+
 def describe_backend(backend: AttentionBackend) -> str:
     return backend.describe() if isinstance(backend, AutoAttention) else backend.name
 
