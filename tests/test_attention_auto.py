@@ -9,11 +9,13 @@ from graph_cases import random_batch, rel_err
 
 import encoder
 import workspace
-from encoder.attention import AutoAttention, available_backends, resolve_attention
+from encoder.api import attention_plan
+from encoder.attention import AutoAttention, available_backends, graph_token_cap, resolve_attention
 from encoder.attention.auto import SHORT_SEGMENT, ranking
 from encoder.attention.base import AttentionBackend
 from encoder.attention.sdpa import SdpaAttention
 from encoder.errors import BackendUnavailableError, ConfigError
+from encoder.presets import preset
 
 
 class Recording(AttentionBackend):
@@ -98,10 +100,6 @@ def test_per_kind_choice_and_its_errors():
 
 def test_attention_plan_without_weights_gives_the_graph_token_cap():
     """What a batch driver asks before any replica loads: the kinds' backends and the bucket cap."""
-    from encoder.api import attention_plan
-    from encoder.attention import graph_token_cap
-    from encoder.presets import preset
-
     plan = attention_plan(preset("tiny"), "cpu")
     assert set(plan) == {"full", "window"}
     enc = encoder.load("tiny", device="cpu")
