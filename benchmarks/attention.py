@@ -28,12 +28,15 @@ try:
 except ImportError:  # run as a script from a checkout: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from encoder.attention import available_backends, get_backend  # noqa: E402
+from encoder.attention import available_backends, get_backend, resolve_attention  # noqa: E402
 
 # name -> (segment length, number of segments)
 CASES = {
     "full 1x256": (256, 1),
+    "full 1x512": (512, 1),
     "full 1x1024": (1024, 1),
+    "full 16x512 (8192)": (512, 16),
+    "full 8x1024 (8192)": (1024, 8),
     "full 32x256 (8192)": (256, 32),
     "full 8x4096 (32768)": (4096, 8),
     "window 64 (8192)": (64, 128),
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
         return 2
 
     status = available_backends()
-    names = args.backends or [n for n, why in status.items() if why is None]
+    names = args.backends or [n for n, why in status.items() if why is None] + ["auto"]
     dtype = DTYPES[args.dtype]
     device = torch.device("cuda")
     print(
@@ -122,14 +125,19 @@ def main(argv=None) -> int:
         seg_len, num_segments = CASES[case]
         q, k, v, cu = make_inputs(seg_len, num_segments, args.heads, args.head_dim, dtype)
         for name in names:
-            backend = get_backend(name)
-            why = backend.supports(device, dtype, args.head_dim)
+            if name == "auto":  # what `attention="auto"` runs for segments of this length
+                backend = resolve_attention("auto", ("full",), device, dtype, args.head_dim)["full"]
+                why = None
+            else:
+                backend = get_backend(name)
+                why = backend.supports(device, dtype, args.head_dim)
             if why is not None:
                 print(f"| {case} | {name} | n/a: {why} | |" + (" |" if args.check else ""))
                 continue
             ms = time_in_graph(backend, q, k, v, cu, seg_len, args.replays)
             tflops = flops(seg_len, num_segments, args.heads, args.head_dim) / (ms * 1e-3) / 1e12
-            row = f"| {case} | {name} | {ms:.3f} | {tflops:.1f} |"
+            label = f"auto = {backend.choose(seg_len, args.head_dim).name}" if name == "auto" else name
+            row = f"| {case} | {label} | {ms:.3f} | {tflops:.1f} |"
             if args.check:
                 row += f" {rel_error(backend, q, k, v, cu, seg_len):.2e} |"
             print(row, flush=True)

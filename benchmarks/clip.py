@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import matmul_peak, timed  # noqa: E402  (benchmarks/engine.py: one timer, one peak)
+from engine import matmul_peak, timed, use_backend  # noqa: E402  (benchmarks/engine.py: one timer, one peak)
 
 import encoder  # noqa: E402
 import workspace  # noqa: E402
-from encoder.attention import available_backends, default_backend_name, get_backend  # noqa: E402
+from encoder.attention import available_backends  # noqa: E402
 from encoder.config import ClipVisionConfig  # noqa: E402
 
 
@@ -96,7 +96,7 @@ def main() -> int:
     cfg = base.config
     per_image = flops_per_image(cfg)
     sizes = [int(x) for x in args.images.split(",")]
-    names = args.backends.split(",") if args.backends else [default_backend_name("cuda")]
+    names = args.backends.split(",") if args.backends else ["auto"]
     usable = available_backends()
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -125,7 +125,7 @@ def main() -> int:
     def ours(name: str) -> None:
         enc = copy.copy(base)
         enc.model = copy.deepcopy(base.model)
-        enc.model.set_backend(get_backend(name))
+        use_backend(enc, name)
         for n in sizes:
             record(f"ours eager ({name})", n, timed(lambda n=n: enc.run_packed(batches[n]), args.iters))
         t0 = time.perf_counter()
@@ -148,7 +148,7 @@ def main() -> int:
             rows[-1]["rel_err_vs_hf"] = err
 
     for name in names:
-        if usable.get(name, "unknown backend") is not None:
+        if name != "auto" and usable.get(name, "unknown backend") is not None:
             print(f"skipping backend {name}: {usable.get(name, 'unknown backend')}", file=sys.stderr)
             continue
         ours(name)

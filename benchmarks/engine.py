@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import encoder  # noqa: E402
 import workspace  # noqa: E402
-from encoder.attention import available_backends, get_backend  # noqa: E402
+from encoder.attention import available_backends, resolve_attention  # noqa: E402
 
 WORKLOADS = {  # name -> (images, side in pixels)
     "1x224": (1, 224),
@@ -39,6 +39,12 @@ def linear_flops_per_patch(cfg) -> float:
     mergers = 1 + len(getattr(cfg, "deepstack_visual_indexes", ()))  # Qwen3-VL: one per DeepStack layer too
     merger = mergers * 2 * (d * mu * d * mu + d * mu * cfg.out_dim) / mu
     return blocks + merger + 2 * cfg.patch_dim * d
+
+
+def use_backend(enc, name: str) -> None:
+    """Every layer of `enc` on backend `name`, or `auto` (per layer kind and graph shape)."""
+    tower = enc.model
+    tower.set_backend(resolve_attention(name, tower.attention_kinds, enc.device, enc.dtype, enc.config.head_dim))
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -122,7 +128,8 @@ def main() -> int:
     peak = matmul_peak()
     base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
     per_patch = linear_flops_per_patch(base.config)
-    names = args.backends.split(",") if args.backends else [n for n, w in available_backends().items() if w is None]
+    usable = [n for n, why in available_backends().items() if why is None]
+    names = args.backends.split(",") if args.backends else [*usable, "auto"]
     workloads = args.workloads.split(",")
     rows = []
 
@@ -144,7 +151,7 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     if args.pad_compare:  # before any fuse(): padding is a one-way layout change of the shared model
-        base.model.set_backend(get_backend(names[0]))
+        use_backend(base, names[0])
         graph = workspace.GraphEncoder(base, pad_mlp=0)
         for wl in workloads:
             batch = make_batch(base, *WORKLOADS[wl])
@@ -154,7 +161,7 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     for name in names:
-        base.model.set_backend(get_backend(name))
+        use_backend(base, name)
         for wl in workloads:
             batch = make_batch(base, *WORKLOADS[wl])
             record(f"ours eager ({name})", wl, timed(lambda b=batch: base.forward_packed(b), args.iters))
@@ -167,7 +174,7 @@ def main() -> int:
             run = lambda b=batch, g=graph: g.runner.run(b.pixel_values, b.grid_thw)  # noqa: E731
             record(f"ours graph ({name})", wl, timed(run, args.iters),
                    {"capture_s": stats["capture_seconds"], "capture_gib": stats["capture_bytes"] / 2**30,
-                    "setup_s": setup})  # fmt: skip
+                    "setup_s": setup, "captures": stats["captures"], "attention": stats["attention"]})  # fmt: skip
             record(
                 f"ours graph + host copy, mean ({name})",
                 wl,

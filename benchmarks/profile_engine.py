@@ -30,23 +30,31 @@ def main() -> int:
     parser.add_argument("--side", type=int, default=224, help="image side in pixels")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--launch", action="store_true", help="profile the host side of one-image launches")
+    parser.add_argument("--graph", action="store_true", help="profile graph replays (GraphEncoder) instead of eager")
     args = parser.parse_args()
     if args.launch:
         return profile_launch(args)
     enc = encoder.load(args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend)
     enc.model.fuse(128)
+    run = enc.forward_packed
+    if args.graph:
+        from workspace import GraphEncoder
+
+        graph = GraphEncoder(enc)
+        run = lambda b: graph.runner.run(b.pixel_values, b.grid_thw)  # noqa: E731
     g = args.side // enc.config.patch_size
     for n in map(int, args.images.split(",")):
         grid = torch.tensor([[1, g, g]] * n)
         batch = encoder.PatchBatch(torch.randn(n * g * g, enc.config.patch_dim, device="cuda"), grid)
         for _ in range(3):
-            enc.forward_packed(batch)
+            run(batch)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                enc.forward_packed(batch)
+                run(batch)
             torch.cuda.synchronize()
-        print(f"\n### {n} x {args.side}x{args.side} ({n * g * g} patches), {enc.model.backend.name}, per 5 forwards")
+        kind = "graph replays" if args.graph else "eager forwards"
+        print(f"\n### {n} x {args.side}x{args.side} ({n * g * g} patches), {enc.model.backend.name}, per 5 {kind}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     return 0
 

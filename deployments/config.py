@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, model_validator
 
+from encoder.attention import graph_token_cap
 from workspace.tables import BucketPlan, process_plan, shape_of_encoder
 
 from .app_args import (
@@ -118,7 +119,7 @@ def replica_plan(args: AppArgs, vision, device: str) -> BucketPlan:
         device,
         args.buckets,
         bucket_max_images=args.bucket_max_images,
-        max_graph_tokens=vision.model.backend.max_graph_tokens,
+        max_graph_tokens=graph_token_cap(vision.model.backends),
         max_batch_patches=args.max_batch_patches,
         max_batch_images=args.max_batch_size,
     )

@@ -1,6 +1,9 @@
-"""Encode images from the command line: `python -m encoder IMAGE [IMAGE ...]`.
+"""Encode images from the command line: `python -m encoder IMAGE [IMAGE ...] [--output FILE|-]`.
 
-Prints one JSON line per image with its patch grid and (mean-pooled) embedding.
+Without --output: one short JSON line per image (patch grid, shape, the first 8 values). With it,
+every value (`encoder.embedding_output`): FILE.npy (pooled vectors, [images, dim]), FILE.parquet
+(one row per image), or - (JSON Lines on stdout). --model takes a preset, a checkpoint directory
+or a Hugging Face Hub id (org/name[@revision]). Exit status: 0 done, 2 bad arguments, model or image.
 """
 
 from __future__ import annotations
@@ -9,34 +12,98 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from . import EncoderError, load
+from . import POOLINGS, EncoderError, PatchBatch, VisionEncoder, load
+from .api import vector_pooling
+from .embedding_output import STDOUT, ImageEmbedding, check_output, write
+from .errors import InvalidArgumentError, RandomWeightsWarning, reason
+
+SHORT_VALUES = 8  # values of each embedding in the default print
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m encoder", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("images", nargs="+", type=Path, help="image files (PNG, JPEG, WebP, GIF, BMP, TIFF)")
+    parser.add_argument("--model", default="tiny", help="preset, checkpoint directory or Hub id org/name[@rev]")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    parser.add_argument("--attention", default=None, help="attention backend (default: sdpa on CPU)")
+    parser.add_argument(
+        "--pooling", default=None, choices=POOLINGS,
+        help="default: the model's own embedding (CLIP, SigLIP) or the token mean (Qwen)",
+    )  # fmt: skip
+    parser.add_argument("--output", default=None, help="FILE.npy, FILE.parquet, or - for JSON Lines on stdout")
+    return parser.parse_args(argv)
+
+
+def read_files(paths: list[Path]) -> list[bytes]:
+    """Every file's bytes, before the model is loaded: a missing file fails at once, named."""
+    out = []
+    for path in paths:
+        try:
+            out.append(path.read_bytes())
+        except OSError as exc:
+            raise InvalidArgumentError(f"{path}: cannot read ({exc.strerror or reason(exc)})") from None
+    return out
+
+
+def preprocess_files(enc: VisionEncoder, paths: list[Path], data: list[bytes]) -> PatchBatch:
+    """Each image preprocessed on its own, so an error names its file; then one batch."""
+    batches = []
+    for path, item in zip(paths, data, strict=True):
+        try:
+            batches.append(enc.preprocess([item]))
+        except EncoderError as exc:
+            raise type(exc)(f"{path}: {exc}") from None
+    return PatchBatch.concat(batches)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m encoder", description=__doc__)
-    parser.add_argument("images", nargs="+", type=Path, help="image files (PNG, JPEG, WebP, GIF, BMP, TIFF)")
-    parser.add_argument("--model", default="tiny", help="preset name or local Hugging Face checkpoint dir")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
-    parser.add_argument("--attention", default=None, help="attention backend (default: sdpa)")
-    parser.add_argument("--pooling", default="mean", choices=["mean", "none"])
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     try:
-        enc = load(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
-        data = [p.read_bytes() for p in args.images]
-        batch = enc.preprocess(data)
+        if args.output is not None:  # before the model loads; the pooling is checked again once known
+            check_output(args.output, args.pooling)
+        data = read_files(args.images)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RandomWeightsWarning)
+            enc = load(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
+        for w in caught:  # a plain line, not the file:line form warnings print
+            print(f"warning: {w.message}", file=sys.stderr)
+        pooling = args.pooling or vector_pooling(enc.config)
+        if args.output is not None:
+            check_output(args.output, pooling)
+        batch = preprocess_files(enc, args.images, data)
         start = time.perf_counter()
-        outs = enc.encode(batch, pooling=args.pooling)
+        outs = enc.encode(batch, pooling=pooling)
         elapsed = time.perf_counter() - start
-    except (EncoderError, OSError) as exc:
+    except EncoderError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for path, grid, out in zip(args.images, batch.grid_thw.tolist(), outs, strict=True):
-        print(json.dumps({"image": str(path), "grid_thw": grid, "shape": list(out.shape),
-                          "embedding": [round(v, 6) for v in out.flatten()[:8].tolist()]}))  # fmt: skip
-    print(f"{len(outs)} images, {enc.name} on {enc.device} ({enc.dtype}), {elapsed * 1e3:.1f} ms", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    grids = [tuple(g) for g in batch.grid_thw.tolist()]
+    results = [ImageEmbedding(str(p), g, o.numpy()) for p, g, o in zip(args.images, grids, outs, strict=True)]
+    if args.output is None:
+        for r in results:
+            head = [round(v, 6) for v in r.embedding.reshape(-1)[:SHORT_VALUES].tolist()]
+            short = dict(image=r.image, grid_thw=list(r.grid_thw), shape=list(r.embedding.shape), embedding=head)
+            print(json.dumps(short))
+    else:
+        try:
+            write(results, args.output, sys.stdout.buffer)
+        except OSError as exc:
+            print(f"error: {args.output}: cannot write ({exc.strerror or reason(exc)})", file=sys.stderr)
+            return 2
+    wrote = "" if args.output in (None, STDOUT) else f", wrote {args.output}"
+    print(
+        f"{len(outs)} images, {enc.name} on {enc.device} ({enc.dtype}), pooling {pooling}, "
+        f"{elapsed * 1e3:.1f} ms{wrote}",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -14,20 +14,22 @@ pooling ("model", or "mean" for Qwen), which the batch jobs use.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from .attention import available_backends, default_backend_name, get_backend
-from .checkpoint import load_config, load_weights, read_json
+from .attention import DEFAULT_BACKEND, get_backend, resolve_attention
+from .checkpoint import load_weights, read_json
 from .config import ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
-from .errors import ConfigError, InvalidArgumentError
+from .errors import ConfigError, InvalidArgumentError, RandomWeightsWarning
 from .geometry import frames_of
+from .hub import ResolvedModel, resolve_model
 from .outputs import LLMOutput
 from .patch_batch import PatchBatch
 from .preprocess import PreprocessConfig, preprocess
 from .preprocess_vit import VitPreprocessConfig, check_matches_model, preprocess_vit
-from .presets import preset
 from .qwen import QwenVisionTower
 from .qwen3 import Qwen3VisionTower
 from .tower import TowerOutput
@@ -90,8 +92,9 @@ def l2_normalize(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def check_pooling(pooling: str) -> None:
     """The name is known (family-independent; `resolve_pooling` checks that the model supports it)."""
-    if pooling not in POOLINGS:
-        raise InvalidArgumentError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+    if not isinstance(pooling, str) or pooling not in POOLINGS:
+        shown = repr(pooling) if isinstance(pooling, str) else f"of type {type(pooling).__name__}"
+        raise InvalidArgumentError(f"unknown pooling {shown}; expected one of {', '.join(POOLINGS)}")
 
 
 def resolve_pooling(pooling: str | None, config: VisionConfig) -> str:
@@ -116,11 +119,24 @@ class VisionEncoder:
         model: QwenVisionTower | VitTower,
         preprocess_config: PreprocessConfig | VitPreprocessConfig,
         name: str = "custom",
+        source: ResolvedModel | None = None,
     ):
         self.config = config
         self.model = model
         self.preprocess_config = preprocess_config
         self.name = name
+        self.source = source  # where config and weights came from (None: built by hand)
+
+    @property
+    def random_weights(self) -> bool:
+        """True for presets: seeded random weights, not a trained model's."""
+        return self.source is not None and self.source.random_weights
+
+    def model_info(self) -> dict:
+        """JSON-ready: name, kind (preset | dir | hub | custom), random_weights, path, revision, commit."""
+        if self.source is None:
+            return {"name": self.name, "kind": "custom", "random_weights": False}
+        return self.source.info()
 
     @property
     def device(self) -> torch.device:
@@ -246,6 +262,16 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        shown = repr(device) if isinstance(device, str) else f"of type {type(device).__name__}"
+        raise ConfigError(f"unknown device {shown}; expected cpu, cuda or cuda:N") from None
+
+
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -253,8 +279,9 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-    if dtype not in names:
-        raise ConfigError(f"unknown dtype {dtype!r}; expected one of {', '.join(names)}")
+    if not isinstance(dtype, str) or dtype not in names:
+        shown = repr(dtype) if isinstance(dtype, str) else f"of type {type(dtype).__name__}"
+        raise ConfigError(f"unknown dtype {shown}; expected one of {', '.join(names)}")
     return names[dtype]
 
 
@@ -283,23 +310,13 @@ def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
                             merge_size=config.spatial_merge_size)  # fmt: skip
 
 
-def default_backend(device: torch.device, dtype: torch.dtype, config: VisionConfig):
-    """The first backend of the model's preference that is usable here and runs this dtype and head
-    dimension (FA4 is bf16/fp16 only: a float32 model on CUDA gets the next one)."""
-    if device.type == "cuda":
-        usable = available_backends()
-        for name in config.attention_preference:
-            if usable.get(name, "missing") is None:
-                backend = get_backend(name)
-                if backend.supports(device, dtype, config.head_dim) is None:
-                    return backend
-    return get_backend(default_backend_name(device.type))
-
-
-def select_backend(config: VisionConfig, device, dtype=None, attention: str | None = None):
-    """The attention backend `load` gives this model on `device`: the named one, else the default."""
+def attention_plan(config: VisionConfig, device, dtype=None, attention=None) -> dict:
+    """Layer kind -> the attention backend `load` gives this model on `device`, without weights (a
+    driver sizing buckets: `encoder.attention.graph_token_cap` of it)."""
     device = torch.device(device)
-    return get_backend(attention) if attention else default_backend(device, _resolve_dtype(dtype, device), config)
+    with torch.device("meta"):
+        kinds = build_tower(config, None).attention_kinds
+    return resolve_attention(attention, kinds, device, _resolve_dtype(dtype, device), config.head_dim)
 
 
 def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
@@ -308,33 +325,46 @@ def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
     return build_vit_tower(config, backend) if is_fixed_resolution(config) else QwenVisionTower(config, backend)
 
 
+def warn_random_weights(name: str) -> None:
+    """Once per preset and process (the warnings registry keys on the text): its embeddings mean nothing."""
+    warnings.warn(
+        f"model {name!r} is a preset with RANDOM weights: its embeddings carry no meaning. For real weights "
+        "pass a Hugging Face Hub id (e.g. model=Qwen/Qwen2.5-VL-7B-Instruct) or a local checkpoint directory",
+        RandomWeightsWarning,
+        stacklevel=3,
+    )
+
+
 def load(
-    model: str = "tiny",
+    model: str | Path | ResolvedModel = "tiny",
     *,
     device=None,
     dtype=None,
-    attention: str | None = None,
+    attention: str | Mapping[str, str] | None = None,
     seed: int = 0,
 ) -> VisionEncoder:
-    """A `VisionEncoder` from a preset name (random weights) or a local checkpoint directory."""
-    device = torch.device(device) if device is not None else default_device()
+    """A `VisionEncoder` from a preset name (random weights; warns), a local checkpoint directory or a
+    Hugging Face Hub id `org/name[@revision]` (`encoder.hub.resolve_model`, which runs first: a bad
+    model fails before anything is built)."""
+    source = model if isinstance(model, ResolvedModel) else resolve_model(model)
+    if not source.weights_on_disk:  # checked earlier without its weights (a service's driver): fetch them now
+        source = resolve_model(source.given)
+    device = _resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
-    path = Path(model)
-    is_dir = path.is_dir()
-    config = load_config(path) if is_dir else preset(model)
-    backend = select_backend(config, device, dtype, attention)
-    why = backend.supports(device, dtype, config.head_dim)
-    if why:
-        raise ConfigError(f"attention backend {backend.name!r} cannot run this model: {why}")
+    config, path = source.config, source.path
     # built on the meta device: PyTorch's default init of ~680M parameters would cost seconds
     # only to be overwritten by the checkpoint or our seeded init
     with torch.device("meta"):
-        tower = build_tower(config, backend)
+        tower = build_tower(config, get_backend(DEFAULT_BACKEND))
+    # per layer kind; "auto" (the default) picks per kind and graph shape (`encoder.attention.auto`)
+    tower.set_backend(resolve_attention(attention, tower.attention_kinds, device, dtype, config.head_dim))
     tower = tower.to_empty(device="cpu")
-    if is_dir:
+    if path is not None:
         load_weights(tower, path)
     else:
         init_random_weights(tower, seed)
-    pp = preprocess_config_for(config, path if is_dir else None)
+    pp = preprocess_config_for(config, path)
     tower = tower.to(device=device, dtype=dtype).eval()
-    return VisionEncoder(config, tower, pp, name=str(path) if is_dir else model)
+    if source.random_weights:
+        warn_random_weights(source.name)
+    return VisionEncoder(config, tower, pp, name=source.name, source=source)

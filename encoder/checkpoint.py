@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import VisionConfig, from_hf_dict
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, reason
 
 _PREFIXES = ("model.visual.", "visual.", "vision_tower.", "")
 
@@ -34,7 +34,7 @@ def read_json(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        raise CheckpointError(f"{path}: not valid JSON ({reason(exc)})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
@@ -56,13 +56,27 @@ def load_config(directory: Path) -> VisionConfig:
         raise CheckpointError(f"{directory / 'config.json'}: {exc}") from None
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` (tensor name -> shard file) of a `model.safetensors.index.json`."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+    return weight_map
+
+
+def vision_shards(weight_map: dict[str, str]) -> list[str]:
+    """The shards a vision tower needs: those holding a tensor whose name says vision or visual
+    (`model.visual.`, `visual.`, `vision_model.`, `vision_tower.`, CLIP's `visual_projection`), or
+    every shard when no name does (a tower saved alone, unprefixed). A 7B VLM's tower lives in one
+    or two of its shards: the LLM's are neither downloaded from the Hub nor required on disk."""
+    marked = [shard for name, shard in weight_map.items() if "visual" in name or "vision" in name]
+    return list(dict.fromkeys(marked or weight_map.values()))
+
+
 def weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
-        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        files = [directory / name for name in vision_shards(read_weight_map(index))]
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{index} lists shards that are missing: {', '.join(missing)}")
@@ -83,7 +97,7 @@ def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from None
+        raise CheckpointError(f"{path}: cannot read safetensors file ({reason(exc)})") from None
 
 
 def read_vision_state(
@@ -129,7 +143,7 @@ def read_vision_state(
                 try:
                     state[key if key in top_level else key[len(prefix) :]] = f.get_tensor(key)
                 except (SafetensorError, OSError, ValueError) as exc:
-                    raise CheckpointError(f"{path}: tensor {key!r} is unreadable ({exc})") from None
+                    raise CheckpointError(f"{path}: tensor {key!r} is unreadable ({reason(exc)})") from None
     _check_unexpected(directory, files, prefix, expected | set(top_level))
     return state
 

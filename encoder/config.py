@@ -6,21 +6,15 @@ Field names follow the Hugging Face `vision_config` of each family so a checkpoi
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
-
-# attention backends, fastest first for a family's attention pattern as measured on the H200
-# (BENCHMARKS.md); `load()` takes the first usable one when none is named
-WINDOWED_FIRST = ("triton", "torch_varlen", "sdpa")  # our Triton kernel wins on short segments
-LONG_SEGMENTS_FIRST = ("fa4", "torch_varlen", "triton", "sdpa")  # full attention over whole images, head dim 72
+from .errors import ConfigError, reason, validation_reason
 
 
 class _QwenVisionBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    attention_preference: ClassVar[tuple[str, ...]] = WINDOWED_FIRST
 
     depth: int = Field(32, gt=0, description="Number of transformer blocks.")
     num_heads: int = Field(16, gt=0, description="Attention heads per block.")
@@ -134,7 +128,6 @@ class Qwen3VLVisionConfig(_QwenVisionBase):
     mergers after `deepstack_visual_indexes` (none for Qwen3.5)."""
 
     family: Literal["qwen3_vl"] = "qwen3_vl"
-    attention_preference: ClassVar[tuple[str, ...]] = LONG_SEGMENTS_FIRST
     depth: int = Field(27, gt=0, description="Number of transformer blocks.")
     patch_size: int = Field(16, gt=0, description="Spatial patch side in pixels.")
     hidden_size: int = Field(1152, gt=0, description="Hidden width of the blocks.")
@@ -188,7 +181,6 @@ class _VitVisionBase(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    attention_preference: ClassVar[tuple[str, ...]] = WINDOWED_FIRST
 
     hidden_size: int = Field(768, gt=0, description="Hidden width of the blocks.")
     intermediate_size: int = Field(3072, gt=0, description="MLP hidden width.")
@@ -373,5 +365,7 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
     known = {k: v for k, v in fields.items() if k in cls.model_fields and k != "family"}
     try:
         return cls(**known)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid vision config: {validation_reason(exc)}") from exc
     except ValueError as exc:
-        raise ConfigError(f"invalid vision config: {exc}") from exc
+        raise ConfigError(f"invalid vision config: {reason(exc)}") from exc

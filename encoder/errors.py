@@ -1,8 +1,14 @@
 """Exception types raised by the encoder package.
 
 Every error a caller can trigger with bad input derives from `EncoderError`, so services can map the
-whole family to a client error (HTTP 4xx) without catching unrelated bugs.
+whole family to a client error (HTTP 4xx) without catching unrelated bugs. Their messages are one
+line each and never hold Python object reprs: a library's exception is worded with `reason`.
 """
+
+import re
+
+# `<_io.BytesIO object at 0x7f...>`, `<PIL.PngImagePlugin.PngImageFile image mode=RGB size=1x1 at 0x...>`
+_OBJECT_REPR = re.compile(r"\s*<[^<>]*\bat 0x[0-9a-fA-F]+>")
 
 
 class EncoderError(Exception):
@@ -21,6 +27,19 @@ class ImageTooLargeError(InvalidImageError):
     """The image exceeds a configured size limit (pixels, bytes); also raised for decompression bombs."""
 
 
+class ImageTooComplexError(ImageTooLargeError):
+    """The encoded image's structure exceeds a limit that bounds decoding cost (JPEG scans, PNG chunks,
+    frames or pages), found before decoding; a CPU decompression bomb such as a progressive-JPEG scan bomb."""
+
+
+class DecodeTimeoutError(ImageTooComplexError):
+    """Decoding one image took longer than its deadline; the worker process decoding it was killed."""
+
+
+class DecodeWorkerError(ImageDecodeError):
+    """The worker process decoding an image died (crash, out of memory, signal) before answering."""
+
+
 class ConfigError(EncoderError):
     """A model config, preset name or option is invalid or unknown."""
 
@@ -35,3 +54,26 @@ class BackendUnavailableError(ConfigError):
 
 class InvalidArgumentError(EncoderError, ValueError):
     """An argument has a value the encoder does not accept (unknown pooling mode, bad batch)."""
+
+
+class RandomWeightsWarning(UserWarning):
+    """A preset was loaded: its weights are seeded random numbers, not a trained model's."""
+
+
+def reason(exc: BaseException) -> str:
+    """A library's exception (Pillow, IO, safetensors, pydantic) as a phrase for our messages: its
+    first line without object reprs (Pillow says `cannot identify image file <_io.BytesIO object at
+    0x...>`), or its type name when nothing is left."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    text = _OBJECT_REPR.sub("", first).strip().rstrip(":").strip()
+    return text or type(exc).__name__
+
+
+def validation_reason(exc) -> str:
+    """A pydantic ValidationError in one line: `field: message` for each error, `; `-separated (its
+    own str() spans several lines and ends with a documentation URL)."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{where}: {err.get('msg', '')}" if where else str(err.get("msg", "")))
+    return "; ".join(parts) or reason(exc)

@@ -90,15 +90,51 @@ def add_norm(
     return total, out
 
 
+# -- padding rows ------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _zero_rows_past_kernel(out_ptr, cu_ptr, last, n_rows, row_width, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # blocks of rows below cu[last] (the real rows) exit at once; the others write zeros
+        start = tl.program_id(0) * BLOCK_ROWS
+        real = tl.load(cu_ptr + last)
+        if start + BLOCK_ROWS > real:
+            for r in range(BLOCK_ROWS):
+                row = start + r
+                if row >= real and row < n_rows:
+                    for c in range(0, row_width, BLOCK):
+                        cols = c + tl.arange(0, BLOCK)
+                        ptr = out_ptr + row.to(tl.int64) * row_width + cols
+                        tl.store(ptr, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=cols < row_width)
+
+
+def zero_rows_past(out: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Zero the rows of a contiguous `out` [S, ...] at and past cu_seqlens[-1] (bucket padding), read on
+    the device. Flash kernels write only rows inside segments, so those rows keep whatever the
+    allocator left there (possibly NaN bit patterns), and FA4 reads keys and values past a segment's
+    end (masked scores, yet 0 * NaN = NaN): the next layer would leak them into the last image."""
+    rows = out.shape[0]
+    if not fused(out):
+        real = torch.arange(rows, device=out.device) < cu_seqlens[-1].long()
+        return out.masked_fill_(~real.view(-1, *([1] * (out.dim() - 1))), 0)
+    assert out.is_contiguous(), out.stride()
+    width = out.numel() // max(rows, 1)
+    _zero_rows_past_kernel[(triton.cdiv(rows, 64),)](
+        out, cu_seqlens, cu_seqlens.shape[0] - 1, rows, width, BLOCK_ROWS=64, BLOCK=1024,
+    )  # fmt: skip
+    return out
+
+
 # -- rotary on packed qkv ------------------------------------------------------------------------
 if triton is not None:
 
     @triton.jit
-    def _rotary_qkv_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HALF_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr,
+    def _rotary_qk_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, out_ptr, cu_ptr, last, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HALF_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr, HAS_OUT: tl.constexpr,
     ):  # fmt: skip
-        # one program per token: rotate q and k of every head, copy v; out is [3, S, H, D]
+        # one program per token: rotate q and k of every head in place; v is not touched. Rows past
+        # cu[last] (padding) also zero their row of the attention output `out` [S, H, D]
         row = tl.program_id(0).to(tl.int64)
         half = HEAD_DIM // 2
         heads = tl.arange(0, HEADS_BLOCK)[:, None]  # a power of two, masked to HEADS (12 heads: 16 lanes)
@@ -108,20 +144,17 @@ if triton is not None:
         s = tl.load(sin_ptr + row * HEAD_DIM + cols, mask=cols < half, other=0.0)
         width = HEADS * HEAD_DIM
         base = qkv_ptr + row * 3 * width + heads * HEAD_DIM + cols
-        for which in tl.static_range(3):
-            x1 = tl.load(base + which * width, mask=mask, other=0.0)
-            x2 = tl.load(base + which * width + half, mask=mask, other=0.0)
-            dst = out_ptr + which * n_rows * width + row * width + heads * HEAD_DIM + cols
-            if which < 2:
-                a = x1.to(tl.float32)
-                b = x2.to(tl.float32)
-                y1 = a * c - b * s
-                y2 = b * c + a * s
-                tl.store(dst, y1.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.store(dst + half, y2.to(out_ptr.dtype.element_ty), mask=mask)
-            else:
-                tl.store(dst, x1, mask=mask)
-                tl.store(dst + half, x2, mask=mask)
+        for which in tl.static_range(2):
+            ptr = base + which * width
+            a = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptr, (a * c - b * s).to(qkv_ptr.dtype.element_ty), mask=mask)
+            tl.store(ptr + half, (b * c + a * s).to(qkv_ptr.dtype.element_ty), mask=mask)
+        if HAS_OUT and row >= tl.load(cu_ptr + last):
+            dst = out_ptr + row * width + heads * HEAD_DIM + cols
+            zero = tl.zeros([HEADS_BLOCK, HALF_BLOCK], dtype=out_ptr.dtype.element_ty)
+            tl.store(dst, zero, mask=mask)
+            tl.store(dst + half, zero, mask=mask)
 
 
 def _rotate_half(x):
@@ -129,28 +162,41 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int):
-    """Split packed qkv [S, 3*H*D] into contiguous q, k, v [S, H, D], q and k rotated.
+def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, out=None, cu_seqlens=None):
+    """Split packed qkv [S, 3*H*D] into q, k, v [S, H, D], q and k rotated.
+
+    With `out` (the attention output buffer [S, H, D], contiguous) and `cu_seqlens`, its padding rows
+    (past cu_seqlens[-1]) are zeroed in the same pass: backends write only rows inside segments, and
+    the next layer's FA4 reads keys/values past a segment's end, so those rows must not hold an
+    allocator's NaN bit patterns (`zero_rows_past`, here at no extra launch).
 
     cos/sin: [S, D] float32 whose halves are equal (2D rotary duplicates the angle table); the
-    rotation is computed in float32 as in the reference.
+    rotation is computed in float32 as in the reference. On CUDA q and k are rotated in place and
+    all three are strided views of `qkv` (unit stride on the head dim, row stride 3*H*D, which every
+    backend accepts): a third less traffic than writing contiguous copies, v never moves.
     """
     rows = qkv.shape[0]
     head_dim = qkv.shape[1] // (3 * heads)
+    q, k, v = qkv.view(rows, 3, heads, head_dim).unbind(1)
     if not fused(qkv):
-        q, k, v = qkv.view(rows, 3, heads, head_dim).unbind(1)
 
         def rot(x):
             xf = x.float()
             return (xf * cos[:, None] + _rotate_half(xf) * sin[:, None]).to(x.dtype)
 
+        if out is not None:
+            zero_rows_past(out, cu_seqlens)
         return rot(q), rot(k), v.contiguous()
-    out = torch.empty(3, rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _rotary_qkv_kernel[(rows,)](
-        qkv, cos, sin, out, rows, HEADS=heads, HEAD_DIM=head_dim,
-        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads), num_warps=4,
+    assert qkv.is_contiguous(), qkv.stride()
+    has_out = out is not None
+    assert not has_out or (out.is_contiguous() and out.shape == q.shape), out
+    _rotary_qk_kernel[(rows,)](
+        qkv, cos, sin, out if has_out else qkv, cu_seqlens if has_out else cos,
+        cu_seqlens.shape[0] - 1 if has_out else 0, HEADS=heads, HEAD_DIM=head_dim,
+        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS_BLOCK=triton.next_power_of_2(heads),
+        HAS_OUT=has_out, num_warps=4,
     )  # fmt: skip
-    return out[0], out[1], out[2]
+    return q, k, v
 
 
 # -- MLP activations -----------------------------------------------------------------------------
@@ -191,3 +237,38 @@ def quick_gelu(h: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(h)
     _act_kernel[(rows, triton.cdiv(f, 1024))](h, out, f, GATED=False, BLOCK=1024, num_warps=4)
     return out
+
+
+# -- GEMMs with their neighbours folded in (cuBLAS) -----------------------------------------------
+def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """gelu_tanh(x @ W.T + b): on CUDA one cuBLASLt GEMM whose epilogue adds the bias and applies the
+    tanh-approximated GELU (`torch._addmm_activation`), instead of a GEMM plus a pass over the
+    [S, F] hidden activations (3.5 ms of a 94 ms Qwen3-VL-8B forward at 8 x 896², BENCHMARKS.md).
+    The CPU kernel of that op applies the exact-erf GELU instead, so everywhere else: the reference."""
+    # x: [S, D] -> [S, F]
+    if x.is_cuda and x.dim() == 2 and linear.bias is not None and os.environ.get("ENCODER_FUSED", "1") != "0":
+        return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
+    return F.gelu(linear(x), approximate="tanh")
+
+
+def linear_float32_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ b) in float32 for float32 x and 16-bit W, without rounding x to 16 bits.
+
+    The patch embedding starts the float32 residual stream from float32 pixels. A float32 GEMM
+    (no tensor cores) cost 1.9 ms of that same 94 ms forward; here x = hi + lo, both exactly
+    representable in W's dtype (|lo| <= 2^-8 |x|, so hi + lo carries 16 bits of x's mantissa), and
+    one 16-bit GEMM over [hi | lo] against [W | W] accumulates both in float32 (cuBLAS `out_dtype`).
+    Elsewhere (CPU, float32 weights, a torch without `out_dtype`): the float32 GEMM."""
+    # x: [S, K] float32, weight: [N, K] -> [S, N] float32
+    if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and _MM_OUT_DTYPE:
+        s, kdim = x.shape
+        split = torch.empty(s, 2 * kdim, dtype=weight.dtype, device=x.device)
+        split[:, :kdim] = x
+        torch.sub(x, split[:, :kdim], out=split[:, kdim:])
+        doubled = torch.cat([weight, weight], dim=1)  # [N, 2K]: tiny next to the activations
+        y = torch.mm(split, doubled.t(), out_dtype=torch.float32)
+        return y if bias is None else y.add_(bias.float())
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+_MM_OUT_DTYPE = "out_dtype" in (torch.mm.__doc__ or "") or hasattr(torch.ops.aten.mm, "dtype")

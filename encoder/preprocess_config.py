@@ -11,7 +11,8 @@ from typing import Any
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from encoder.errors import ConfigError
+from encoder.errors import ConfigError, validation_reason
+from encoder.image_guard import DEFAULT_LIMITS, ImageLimits
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -59,6 +60,11 @@ class PreprocessConfig(BaseModel):
     )
     allowed_formats: frozenset[str] = Field(
         DEFAULT_FORMATS, description="Pillow format names accepted for encoded bytes (upper case)."
+    )
+    image_limits: ImageLimits = Field(
+        DEFAULT_LIMITS,
+        description="Structural limits on encoded bytes (JPEG scans, chunks, frames), checked "
+        "before Pillow parses them (`encoder.image_guard`).",
     )
 
     @field_validator("image_std")
@@ -108,7 +114,7 @@ class PreprocessConfig(BaseModel):
         try:
             return cls(**kwargs)
         except ValidationError as e:
-            raise ConfigError(f"invalid preprocessor config: {e}") from e
+            raise ConfigError(f"invalid preprocessor config: {validation_reason(e)}") from e
 
 
 def _first(*values: Any) -> Any:

@@ -33,7 +33,8 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from encoder.config import ClipVisionConfig, VitVisionConfig
-from encoder.errors import ConfigError, InvalidImageError
+from encoder.errors import ConfigError, InvalidImageError, validation_reason
+from encoder.image_guard import DEFAULT_LIMITS, ImageLimits
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import num_patches, preprocess, resize_image
 from encoder.preprocess_config import (
@@ -77,6 +78,9 @@ class VitPreprocessConfig(BaseModel):
         100_000_000, gt=0, description="Limit on width*height of the decoded input (see PreprocessConfig)."
     )
     allowed_formats: frozenset[str] = Field(DEFAULT_FORMATS, description="Pillow format names accepted for bytes.")
+    image_limits: ImageLimits = Field(
+        DEFAULT_LIMITS, description="Structural limits on encoded bytes (see PreprocessConfig)."
+    )
 
     @field_validator("image_std")
     @classmethod
@@ -165,7 +169,7 @@ class VitPreprocessConfig(BaseModel):
         try:
             return cls(patch_size=cfg.patch_size, **kwargs, **overrides)
         except ValidationError as e:
-            raise ConfigError(f"invalid preprocessing for this model: {e}") from e
+            raise ConfigError(f"invalid preprocessing for this model: {validation_reason(e)}") from e
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], cfg: VitVisionConfig) -> VitPreprocessConfig:
@@ -212,7 +216,7 @@ class VitPreprocessConfig(BaseModel):
         try:
             pp = cls(**kwargs)
         except ValidationError as e:
-            raise ConfigError(f"invalid preprocessor config: {e}") from e
+            raise ConfigError(f"invalid preprocessor config: {validation_reason(e)}") from e
         check_matches_model(pp, cfg)
         return pp
 

@@ -9,6 +9,8 @@ token order, `merge` applies the patch merger and restores the Hugging Face toke
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,8 +19,8 @@ from .attention import AttentionBackend
 from .config import Qwen25VLVisionConfig, VisionConfig
 from .fusion import concat_linears, pad_hidden, pad_linear, round_up
 from .geometry import VisionMeta, compute_meta, count_windows
-from .kernels import add_norm, quick_gelu, rotary_qkv, silu_mul
-from .tower import Bounds, TowerOutput, frames_dummy, segment_means
+from .kernels import add_norm, linear_float32_out, quick_gelu, rotary_qkv, silu_mul
+from .tower import Bounds, TowerOutput, backends_per_kind, frames_dummy, segment_means
 
 
 class RMSNorm(nn.Module):
@@ -47,8 +49,9 @@ class VisionAttention(nn.Module):
     def forward(self, x, cu_seqlens, max_seqlen, cos, sin):
         # x: [S, D] packed tokens
         s, d = x.shape
-        q, k, v = rotary_qkv(self.qkv(x), cos, sin, self.num_heads)  # each [S, H, D/H], contiguous
-        out = torch.empty_like(q)
+        # padding rows of `out` are zeroed by the rotary pass (no backend writes them)
+        out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=x.dtype, device=x.device)
+        q, k, v = rotary_qkv(self.qkv(x), cos, sin, self.num_heads, out, cu_seqlens)  # each [S, H, D/H]
         self.backend(q, k, v, cu_seqlens, max_seqlen, out)
         return self.proj(out.view(s, d))
 
@@ -138,8 +141,8 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x):
         # x: [S, C*T*P*P] flattened patches -> [S, D] float32: the start of the float32 residual
-        # stream; pixels are not rounded to bf16 (a small GEMM, 1176 -> D)
-        return F.linear(x.float(), self.proj.weight.float())
+        # stream; pixels are not rounded to bf16 (`kernels.linear_float32_out`)
+        return linear_float32_out(x.float(), self.proj.weight)
 
 
 class QwenVisionTower(nn.Module):
@@ -147,7 +150,7 @@ class QwenVisionTower(nn.Module):
 
     patches_per_image = None  # variable resolution
 
-    def __init__(self, cfg: VisionConfig, backend: AttentionBackend):
+    def __init__(self, cfg: VisionConfig, backend: AttentionBackend | Mapping[str, AttentionBackend]):
         super().__init__()
         self.cfg = cfg
         self.patch_dim, self.merge_unit = cfg.patch_dim, cfg.merge_unit
@@ -155,12 +158,16 @@ class QwenVisionTower(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg, i in full) for i in range(cfg.depth))
         self.merger = PatchMerger(cfg)
+        # Qwen2.5-VL: window attention except at `fullatt_block_indexes`; Qwen2-VL: full everywhere
+        self.attention_kinds = ("full", "window") if len(full) < cfg.depth else ("full",)
         self.set_backend(backend)
 
-    def set_backend(self, backend: AttentionBackend) -> None:
-        self.backend = backend
+    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
+        """One backend for every layer, or one per layer kind (`attention_kinds`)."""
+        self.backends = backends_per_kind(backend, self.attention_kinds)
+        self.backend = self.backends["full"]
         for blk in self.blocks:
-            blk.attn.backend = backend
+            blk.attn.backend = self.backends["full" if blk.full_attention else "window"]
 
     def fuse(self, pad_mlp: int = 128) -> None:
         """Inference-only layout changes, all exact, as new modules: MLP width zero-padded to a

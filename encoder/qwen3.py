@@ -17,6 +17,8 @@ GEMM inputs are in the model dtype.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,9 +27,9 @@ from .attention import AttentionBackend
 from .config import Qwen3VLVisionConfig
 from .fusion import pad_hidden
 from .geometry import VisionMeta, compute_meta
-from .kernels import add_norm
+from .kernels import add_norm, linear_float32_out, linear_gelu_tanh
 from .qwen import VisionAttention, norm_args
-from .tower import Bounds, TowerOutput, frames_dummy, segment_means
+from .tower import Bounds, TowerOutput, backends_per_kind, frames_dummy, segment_means
 from .vit import activation
 
 
@@ -75,6 +77,8 @@ class GeluMLP(nn.Module):
         self.linear_fc1, self.linear_fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
 
     def forward(self, x):
+        if self.act == "gelu_pytorch_tanh":  # the activation in the fc1 GEMM's epilogue
+            return self.linear_fc2(linear_gelu_tanh(x, self.linear_fc1))
         return self.linear_fc2(activation(self.linear_fc1(x), self.act))
 
     def fused(self, multiple: int) -> GeluMLP:
@@ -130,8 +134,8 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x):
         # [S, C*T*P*P] -> [S, D] float32: the start of the float32 residual stream; pixels are not
-        # rounded to the model dtype (a small GEMM, 1536 -> D)
-        return F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float())
+        # rounded to the model dtype (`kernels.linear_float32_out`)
+        return linear_float32_out(x.float(), self.proj.weight, self.proj.bias)
 
 
 class Qwen3VisionTower(nn.Module):
@@ -139,7 +143,7 @@ class Qwen3VisionTower(nn.Module):
 
     patches_per_image = None  # variable resolution: buckets are patch budgets
 
-    def __init__(self, cfg: Qwen3VLVisionConfig, backend: AttentionBackend):
+    def __init__(self, cfg: Qwen3VLVisionConfig, backend: AttentionBackend | Mapping[str, AttentionBackend]):
         super().__init__()
         self.cfg = cfg
         self.patch_dim = cfg.patch_dim
@@ -167,10 +171,13 @@ class Qwen3VisionTower(nn.Module):
         return frames_dummy(budget, max_images, bounds, self.cfg.spatial_merge_size)
 
     # -- layout changes ---------------------------------------------------------------------------
-    def set_backend(self, backend: AttentionBackend) -> None:
-        self.backend = backend
+    attention_kinds = ("full",)  # every block attends over whole images
+
+    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
+        self.backends = backends_per_kind(backend, self.attention_kinds)
+        self.backend = self.backends["full"]
         for blk in self.blocks:
-            blk.attn.backend = backend
+            blk.attn.backend = self.backend
 
     @torch.no_grad()
     def fuse(self, pad_mlp: int = 128) -> None:

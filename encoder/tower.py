@@ -23,11 +23,14 @@ interpolation weights) is computed by the body from those two, inside the graph.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+
+from .attention import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -76,15 +79,17 @@ class GraphTower(Protocol):
 def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int) -> torch.Tensor:
     """Per-slot mean of packed tokens, from data: `cu_tokens` [slots + 1] token boundaries.
 
-    Rows past the last boundary (padding) fall in a discarded extra slot; empty slots get 0.
-    A one-hot GEMM ([slots + 1, T] x [T, D]) rather than `index_add_`: deterministic (no atomics).
+    Rows past the last boundary (padding) are masked to 0 first (a NaN there would otherwise reach
+    every mean through 0 * NaN); empty slots get 0. A one-hot GEMM ([slots, T] x [T, D]) rather than
+    `index_add_`: deterministic (no atomics).
     """
     # tokens: [T, D]; cu_tokens: [slots + 1] int
     ends = cu_tokens[1:].long()
     t = torch.arange(tokens.shape[0], device=tokens.device)
     slot = torch.searchsorted(ends, t, right=True)  # == slots for padding rows
     onehot = (slot[None, :] == torch.arange(slots, device=tokens.device)[:, None]).float()
-    sums = onehot @ tokens.float()
+    real = (slot < slots)[:, None]
+    sums = onehot @ torch.where(real, tokens.float(), 0.0)
     counts = (ends - F.pad(ends[:-1], (1, 0))).clamp(min=1)
     return sums / counts[:, None]
 
@@ -99,3 +104,13 @@ def frames_dummy(budget: int, max_images: int, bounds: Bounds, merge: int) -> to
     for i in range(rows):
         frames[i] = torch.tensor([merge, per // merge])
     return frames
+
+
+def backends_per_kind(backend: AttentionBackend | Mapping[str, AttentionBackend] | None, kinds: tuple[str, ...]):
+    """kind -> backend for a tower's layer kinds ("full", and "window" for windowed towers): one
+    backend for every kind (None: set later), or a mapping that names each."""
+    if backend is None or isinstance(backend, AttentionBackend):
+        return dict.fromkeys(kinds, backend)
+    missing = [k for k in kinds if k not in backend]
+    assert not missing, f"no attention backend for layer kinds {missing}"
+    return {k: backend[k] for k in kinds}

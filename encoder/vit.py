@@ -25,6 +25,8 @@ Outputs of `forward(pixel_values, cu_seqlens)`: (tokens, pooled)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,9 +34,9 @@ from torch import nn
 from .attention import AttentionBackend
 from .config import ClipVisionConfig, SiglipVisionConfig, VitVisionConfig
 from .fusion import concat_linears, pad_hidden
-from .kernels import add_norm, quick_gelu
+from .kernels import add_norm, linear_float32_out, linear_gelu_tanh, quick_gelu
 from .qwen import norm_args
-from .tower import Bounds, TowerOutput
+from .tower import Bounds, TowerOutput, backends_per_kind
 
 
 def activation(h: torch.Tensor, name: str) -> torch.Tensor:
@@ -54,6 +56,8 @@ class VitMLP(nn.Module):
         self.fc1, self.fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
 
     def forward(self, x):
+        if self.act == "gelu_pytorch_tanh":  # SigLIP: the activation in the fc1 GEMM's epilogue
+            return self.fc2(linear_gelu_tanh(x, self.fc1))
         return self.fc2(activation(self.fc1(x), self.act))
 
     def fused(self, multiple: int) -> VitMLP:
@@ -142,11 +146,11 @@ class VitEmbeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # [n * L, C*P*P] -> [n * T, D] float32: the start of the float32 residual stream; pixels are
-        # not rounded to the model dtype (a small GEMM, C*P*P -> D)
+        # not rounded to the model dtype (`kernels.linear_float32_out`)
         cfg = self.cfg
         n = pixel_values.shape[0] // cfg.num_patches
         bias = self.patch_embedding.bias
-        e = F.linear(pixel_values.float(), self.patch_embedding.weight.float(), None if bias is None else bias.float())
+        e = linear_float32_out(pixel_values.float(), self.patch_embedding.weight, bias)
         pos = self.position_embedding.weight.float()
         if not cfg.has_class_token:
             return (e.view(n, cfg.num_patches, -1) + pos).view(n * cfg.seq_len, -1)
@@ -261,10 +265,13 @@ class VitTower(nn.Module):
         return TowerOutput(tokens, means, pooled)
 
     # -- layout changes ---------------------------------------------------------------------------
-    def set_backend(self, backend: AttentionBackend) -> None:
-        self.backend = backend
+    attention_kinds = ("full",)  # one segment per image in every layer
+
+    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
+        self.backends = backends_per_kind(backend, self.attention_kinds)
+        self.backend = self.backends["full"]
         for layer in self.encoder.layers:
-            layer.self_attn.backend = backend
+            layer.self_attn.backend = self.backend
 
     def fuse(self, pad_mlp: int = 128) -> None:
         """Inference-only layout changes, all exact, as new modules: the blocks' MLP width zero-padded

@@ -8,6 +8,7 @@ import random
 import torch
 
 import encoder
+from encoder.attention import available_backends, resolve_attention
 
 
 def split_grids(total: int, rng: random.Random, max_side: int = 24, max_images: int = 64) -> list[list[int]]:
@@ -37,8 +38,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-def bf16_twin(fp32: encoder.VisionEncoder) -> encoder.VisionEncoder:
-    """The same encoder with a bfloat16 copy of its tower (GPU tests compare the two)."""
+def bf16_twin(fp32: encoder.VisionEncoder, attention="auto") -> encoder.VisionEncoder:
+    """The same encoder with a bfloat16 copy of its tower (GPU tests compare the two), its attention
+    chosen for bf16 (`auto`, or a backend name: FA4 runs only in 16-bit types)."""
     enc = copy.copy(fp32)
-    enc.model = copy.deepcopy(fp32.model).to(torch.bfloat16)
+    tower = enc.model = copy.deepcopy(fp32.model).to(torch.bfloat16)
+    head_dim = fp32.config.head_dim
+    tower.set_backend(resolve_attention(attention, tower.attention_kinds, fp32.device, torch.bfloat16, head_dim))
     return enc
+
+
+# what the GPU suites run their whole-table graph tests with: the default, and FA4 where it is installed
+GRAPH_BACKENDS = ["auto"] + (["fa4"] if available_backends().get("fa4") is None else [])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
+from encoder.attention import describe_backend, graph_token_cap
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
 from workspace.runner import GraphRunner
@@ -95,7 +96,8 @@ class GraphEncoder:
             # exact layout changes (zero-padded MLP width, fused GEMMs) built as new modules;
             # the eager encoder shares the model and stays equal
             tower.fuse(pad_mlp)
-        self.table = engine_table(shape_of_encoder(vision_encoder), buckets, tower.backend.max_graph_tokens)
+        cap = graph_token_cap(tower.backends)
+        self.table = engine_table(shape_of_encoder(vision_encoder), buckets, cap)
         self.runner = GraphRunner(tower, self.table, max_image_patches=max_image_patches(vision_encoder), debug=debug)
 
     @property
@@ -172,4 +174,7 @@ class GraphEncoder:
         return PendingLLM(host, event, [t.shape[0] for t in out.tokens], layers, batch.grid_thw.tolist())
 
     def stats(self) -> dict:
-        return self.runner.stats.as_dict()
+        """The runner's counters, plus the attention backend of each layer kind (for `auto`: which
+        backend ran which graph shapes' segment bounds)."""
+        kinds = {kind: describe_backend(b) for kind, b in self.encoder.model.backends.items()}
+        return {**self.runner.stats.as_dict(), "attention": kinds}

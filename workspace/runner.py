@@ -115,7 +115,8 @@ class GraphRunner:
     def _shapes_of(self, key: BucketKey) -> list[GraphShape]:
         """The graphs of one bucket, cheapest launch first: the full shape (every slot, the longest image
         the bucket can hold), then, for variable-resolution towers, shapes whose longest image is a
-        half, a quarter, ... of it with slots for twice as many such images as fill the budget."""
+        half, a quarter, ... of it, each with slots for exactly as many such images as fill the budget
+        (8 x 896² in a 25,088-patch bucket: no empty attention tile) and for twice as many (mixed sizes)."""
         longest = min(self.max_image_patches, key.budget)
         shapes = {GraphShape(key.budget, key.max_images, self.tower.bucket_bounds(key.budget, key.max_images, longest))}
         while self.tower.patches_per_image is None and longest > 64:
@@ -123,8 +124,8 @@ class GraphRunner:
             fill = -(-key.budget // longest)  # images of `longest` patches that fill the budget
             if fill > key.max_images:
                 break
-            slots = min(key.max_images, 2 * fill)
-            shapes.add(GraphShape(key.budget, slots, self.tower.bucket_bounds(key.budget, slots, longest)))
+            for slots in {fill, min(key.max_images, 2 * fill)}:
+                shapes.add(GraphShape(key.budget, slots, self.tower.bucket_bounds(key.budget, slots, longest)))
         return sorted(shapes, key=lambda g: (g.launch_cost, g.max_images))
 
     def _workspace(self, shape: GraphShape) -> Workspace:
@@ -231,6 +232,8 @@ class GraphRunner:
         src = pixel_values[starts[idx[0]] : starts[idx[-1] + 1]]
         rows = src.shape[0]
         ws.pixel_values[:rows].copy_(src, non_blocking=True)
+        # padding rows are zeros, not the last pack's pixels: deterministic, and finite whatever was there
+        ws.pixel_values[rows:].zero_()
         # pinned: a pageable upload may wait for the replays already queued (GraphEncoder.encode_async)
         frames = torch.zeros(shape.max_images, 2, dtype=torch.long, pin_memory=self.device.type == "cuda")
         frames[: len(idx)] = torch.tensor([grid[i][1:] for i in idx])

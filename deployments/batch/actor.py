@@ -20,6 +20,7 @@ import pyarrow as pa
 import torch
 
 import encoder
+from encoder.attention import graph_token_cap
 from encoder.errors import InvalidArgumentError
 from encoder.patch_batch import PatchBatch
 from encoder.preprocess import PreprocessConfig, patchify
@@ -127,7 +128,7 @@ class EncoderActor:
         self.pp = self.vision.preprocess_config
         self.plan = process_plan(
             shape_of_encoder(self.vision), self.vision.device.type, buckets,
-            max_graph_tokens=self.vision.model.backend.max_graph_tokens,
+            max_graph_tokens=graph_token_cap(self.vision.model.backends),
         )  # fmt: skip
         if expected_table is not None and self.plan.table != expected_table:
             raise InvalidArgumentError(

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 import encoder
-from encoder.api import is_fixed_resolution, select_backend, vector_pooling
+from encoder.api import attention_plan, is_fixed_resolution, vector_pooling
 from encoder.api import preprocess_config_for as model_preprocess_config
+from encoder.attention import graph_token_cap
 from encoder.checkpoint import load_config
 from encoder.config import VisionConfig
 from encoder.preprocess import PreprocessConfig, num_patches
@@ -61,7 +62,7 @@ def actor_device(gpus: int) -> str:
 
 
 def _graph_cap(model: str, device: str, dtype: str | None, attention: str | None) -> int | None:
-    return select_backend(config_for(model), device, dtype, attention).max_graph_tokens
+    return graph_token_cap(attention_plan(config_for(model), device, dtype, attention))
 
 
 def actor_graph_cap(model: str, device: str, dtype: str | None = None, attention: str | None = None) -> int | None:

@@ -1,87 +1,25 @@
 """Attention backends behind one varlen interface (see `base.AttentionBackend`).
 
 `get_backend(name)` returns a ready instance or raises `BackendUnavailableError` listing the
-backends that can run here, so a bad choice fails at load, never at graph capture.
+backends that can run here, so a bad choice fails at load, never at graph capture;
+`resolve_attention` maps a model's layer kinds to backends (`auto`: the fastest per kind and shape).
 """
 
 from __future__ import annotations
 
-import importlib
-
-from ..errors import BackendUnavailableError
+from .auto import AutoAttention, describe_backend, graph_token_cap, resolve_attention
 from .base import AttentionBackend
-
-# name -> "module:Class"; modules are imported lazily so optional packages stay optional
-_REGISTRY: dict[str, str] = {
-    "sdpa": "encoder.attention.sdpa:SdpaAttention",
-    "triton": "encoder.attention.triton_varlen:TritonVarlenAttention",
-    "torch_varlen": "encoder.attention.torch_varlen:TorchVarlenAttention",
-    "flash_attn": "encoder.attention.flash:FlashAttn2",
-    "fa3": "encoder.attention.flash:FlashAttn3",
-    "fa4": "encoder.attention.flash:FlashAttn4",
-}
-
-DEFAULT_BACKEND = "sdpa"
-# fastest first, as measured on the H200 (BENCHMARKS.md); the first usable one is the CUDA default
-CUDA_PREFERENCE = ("triton", "torch_varlen", "sdpa")
-
-
-def default_backend_name(device_type: str) -> str:
-    """The reference on CPU, the first usable of `CUDA_PREFERENCE` on CUDA (`encoder.api.default_backend`
-    first tries the model's own `attention_preference`)."""
-    if device_type != "cuda":
-        return DEFAULT_BACKEND
-    usable = available_backends()
-    return next((n for n in CUDA_PREFERENCE if usable.get(n, "missing") is None), DEFAULT_BACKEND)
-
-
-def register(name: str, target: str) -> None:
-    _REGISTRY[name] = target
-
-
-def _load_class(name: str) -> type[AttentionBackend] | str:
-    """The backend class, or a string saying why it cannot be used here."""
-    module_name, _, cls_name = _REGISTRY[name].partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except ImportError as exc:
-        return f"import failed: {exc}"
-    reason = cls.unavailable_reason()
-    return reason if reason else cls
-
-
-def backend_names() -> list[str]:
-    return list(_REGISTRY)
-
-
-def available_backends() -> dict[str, str | None]:
-    """name -> None if usable here, else the reason it is not."""
-    out = {}
-    for name in _REGISTRY:
-        got = _load_class(name)
-        out[name] = got if isinstance(got, str) else None
-    return out
-
-
-def get_backend(name: str | None = None) -> AttentionBackend:
-    name = name or DEFAULT_BACKEND
-    if name not in _REGISTRY:
-        raise BackendUnavailableError(f"unknown attention backend {name!r}; known: {', '.join(_REGISTRY)}")
-    got = _load_class(name)
-    if isinstance(got, str):
-        usable = [n for n, why in available_backends().items() if why is None]
-        raise BackendUnavailableError(
-            f"attention backend {name!r} is not available here ({got}); available: {', '.join(usable)}"
-        )
-    return got()
-
+from .registry import DEFAULT_BACKEND, available_backends, backend_names, get_backend, register
 
 __all__ = [
     "AttentionBackend",
+    "AutoAttention",
     "DEFAULT_BACKEND",
-    "default_backend_name",
     "available_backends",
     "backend_names",
+    "describe_backend",
     "get_backend",
+    "graph_token_cap",
     "register",
+    "resolve_attention",
 ]

@@ -1,14 +1,16 @@
-"""Varlen attention on the flash-attn packages: FA2 (`flash_attn`) and FA3 (`flash_attn_interface`).
+"""Varlen attention on the flash-attn packages: FA2 (`flash_attn`), FA3 (`flash_attn_interface`) and
+FA4 (`flash_attn.cute`, the `flash-attn-4` wheels).
 
-Both take packed [S, H, D] tensors with `cu_seqlens_q/k` and `max_seqlen_q/k`, exactly our layout,
-and are fp16/bf16 only. Neither package is a hard dependency: each backend reports why it is
-unavailable when its import fails. The packages are imported lazily (first `unavailable_reason`
-or call), so importing this module never pays for, or fails on, a CUDA extension load.
+All take packed [S, H, D] tensors with `cu_seqlens_q/k` and `max_seqlen_q/k`, exactly our layout,
+and are fp16/bf16 only. None is a hard dependency: each backend reports why it is unavailable when
+its import fails. The packages are imported lazily (first `unavailable_reason` or call), so
+importing this module never pays for, or fails on, a CUDA extension load.
 
-Output: when the installed `flash_attn_varlen_func` accepts `out=`, we pass ours and the kernel
-writes only rows inside segments. Otherwise its result is a fresh `empty_like` tensor whose rows
-past `cu_seqlens[-1]` (bucket padding) are uninitialised, so only real rows, selected on the
-device, are copied into `out`.
+Output: when the installed function accepts `out=`, we pass ours and the kernel writes only rows
+inside segments; otherwise its result's real rows, selected on the device, are copied into `out`.
+Either way the padding rows past `cu_seqlens[-1]` are then zeroed (`kernels.zero_rows_past`): FA4
+reads keys and values past a segment's end, so garbage there (an `empty_like`'s NaN bit patterns)
+would reach the last image through the next layer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import inspect
 
 import torch
 
+from ..kernels import zero_rows_past
 from .base import AttentionBackend
 from .torch_varlen import _keep_real_rows
 
@@ -72,13 +75,13 @@ class _FlashVarlenBase(AttentionBackend):
         fn, takes_out = self._load()
         # the kernels require unit stride on the head dim
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        if takes_out and out.stride(-1) == 1:
+        if takes_out and out.is_contiguous():
             fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, out=out)
-            return out
+            return zero_rows_past(out, cu_seqlens)
         result = fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
         if isinstance(result, tuple):  # some FA3 releases return (out, softmax_lse)
             result = result[0]
-        return _keep_real_rows(out, result, cu_seqlens)
+        return zero_rows_past(_keep_real_rows(out, result, cu_seqlens), cu_seqlens)
 
 
 class FlashAttn2(_FlashVarlenBase):
@@ -129,8 +132,8 @@ class FlashAttn4(_FlashVarlenBase):
         kwargs.update(max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
         if takes_out and out.is_contiguous():
             fn(q, k, v, out=out, **kwargs)  # writes rows inside segments only
-            return out
+            return zero_rows_past(out, cu_seqlens)
         result = fn(q, k, v, **kwargs)
         if isinstance(result, tuple):  # (out, lse)
             result = result[0]
-        return _keep_real_rows(out, result, cu_seqlens)
+        return zero_rows_past(_keep_real_rows(out, result, cu_seqlens), cu_seqlens)

@@ -77,7 +77,9 @@ def test_gpu_and_device_decisions():
 
 
 def test_bucket_tables_and_batch_limits():
-    tower = SimpleNamespace(merge_unit=4, patches_per_image=None, backend=SimpleNamespace(max_graph_tokens=None))
+    tower = SimpleNamespace(
+        merge_unit=4, patches_per_image=None, backends={"full": SimpleNamespace(max_graph_tokens=None)}
+    )
     vision = SimpleNamespace(model=tower, preprocess_config=PP)
 
     def plan(device, **args):
@@ -91,7 +93,7 @@ def test_bucket_tables_and_batch_limits():
     assert [k.budget for k in table.keys] == [256, 512, 1024, 2048, 4096] and table.largest.max_images == 8
     assert limits == (4096, 8)
     assert plan("cpu", buckets="pow2:256-4096", max_batch_patches=1000, max_batch_size=3)[1] == (1000, 3)
-    tower.backend.max_graph_tokens = 8192  # sdpa's cap
+    tower.backends["full"].max_graph_tokens = 8192  # sdpa's cap
     assert plan("cuda", bucket_max_images=4)[0].largest == BucketKey(8192, 4)
     assert plan("cuda")[0].largest.budget == 8192
 

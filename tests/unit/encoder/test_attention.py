@@ -22,9 +22,10 @@ _ROOT = str(Path(__file__).resolve().parents[3])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from encoder.attention import _REGISTRY, backend_names, get_backend  # noqa: E402
 from encoder.attention import available_backends as _available_backends  # noqa: E402
+from encoder.attention import backend_names, get_backend  # noqa: E402
 from encoder.attention.base import AttentionBackend  # noqa: E402
+from encoder.attention.registry import _REGISTRY  # noqa: E402
 from encoder.errors import BackendUnavailableError  # noqa: E402
 
 NAMES = backend_names()

@@ -94,6 +94,12 @@ def test_a_bucket_has_graph_shapes_by_longest_image():
         longest = max(h * w for _, h, w in grids)
         assert used.holds(len(grids), longest)
         assert all(s.launch_cost >= used.launch_cost for s in shapes if s.holds(len(grids), longest))
+    # images that exactly fill the budget get a shape without empty slots or tiles
+    runner.workspaces.clear()
+    batch = random_batch([[1, 16, 16]] * 4, 6, seed=9)
+    runner.run_all(batch.pixel_values, batch.grid_thw)
+    (used,) = runner.workspaces
+    assert (used.max_images, used.bounds.max_seqlen) == (4, 256)
 
 
 def test_runner_refuses_what_is_not_a_tower():

@@ -1,0 +1,159 @@
+"""encoder.decode_pool: decoding in worker processes under a deadline (issue 17: decode is cancellable).
+
+Wall-clock assertions are wide margins between working and broken only (a worker that is not killed
+would sleep 600 s); nothing sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from encoder.decode_pool import DecodePool, decode_resized
+from encoder.errors import DecodeTimeoutError, DecodeWorkerError, ImageDecodeError, ImageTooComplexError
+from encoder.preprocess import DEFAULT_CONFIG, load_image
+from encoder.preprocess_vit import resize_image_for
+from tests.decode_hooks import misbehaving_decode
+from tests.images_util import encode, random_image
+from tests.jpeg_bombs import scan_bomb
+
+JPEG = encode(random_image("RGB", 224, 200), "JPEG", quality=90)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    # One worker: after a kill the next decode can only succeed on a replacement.
+    with DecodePool(1, decode_fn=misbehaving_decode) as p:
+        yield p
+
+
+def test_decodes_like_load_image(pool):
+    for data in (JPEG, encode(random_image("RGBA", 50, 60), "PNG"), encode(random_image("P", 30, 20), "GIF")):
+        out = pool.decode(data, 30.0)
+        assert out.dtype == np.uint8 and out.flags.writeable
+        np.testing.assert_array_equal(out, np.asarray(load_image(data)))
+
+
+def test_decode_resized_returns_what_the_ingress_sends():
+    data = encode(random_image("RGB", 300, 500), "PNG")
+    with DecodePool(1, decode_fn=decode_resized) as p:
+        out = p.decode(data, 30.0)
+    np.testing.assert_array_equal(out, resize_image_for(load_image(data), DEFAULT_CONFIG))
+    assert out.shape[0] % 28 == 0 and out.shape[1] % 28 == 0
+
+
+def test_decode_errors_arrive_as_themselves(pool):
+    with pytest.raises(ImageDecodeError) as inline:
+        load_image(b"not an image")
+    with pytest.raises(ImageDecodeError) as pooled:
+        pool.decode(b"not an image", 30.0)
+    assert type(pooled.value) is type(inline.value) and str(pooled.value) == str(inline.value)
+    with pytest.raises(ImageTooComplexError, match="max_jpeg_scans=100"):
+        pool.decode(scan_bomb(2000), 30.0)
+    with pytest.raises(RuntimeError, match="decode function failed: KeyError"):
+        pool.decode(b"bug", 30.0)
+    assert pool.decode(JPEG, 30.0).shape == (224, 200, 3)
+
+
+def test_overrunning_worker_is_killed_and_replaced(pool):
+    (before,) = pool.pids
+    started = time.monotonic()
+    with pytest.raises(DecodeTimeoutError, match=r"longer than the deadline of 0\.5 s"):
+        pool.decode(b"sleep", 0.5)
+    assert time.monotonic() - started < 3.0  # the worker sleeps 600 s unless killed
+    assert not _running(before)
+    assert pool.decode(JPEG, 30.0).shape == (224, 200, 3)  # on the replacement
+    assert pool.pids != [before]
+
+
+@pytest.mark.parametrize(("request_", "how"), [(b"exit", "exit code 3"), (b"segfault", "killed by SIGSEGV")])
+def test_crashed_worker_is_replaced(pool, request_, how):
+    (before,) = pool.pids
+    with pytest.raises(DecodeWorkerError, match=f"the decode worker died \\({how}\\) while decoding"):
+        pool.decode(request_, 30.0)
+    assert pool.decode(JPEG, 30.0).shape == (224, 200, 3)
+    assert pool.pids != [before]
+
+
+def test_async_decode_does_not_block_the_loop(pool):
+    async def main():
+        task = asyncio.ensure_future(pool.decode_async(b"sleep", 1.0))
+        beats = 0
+        while not task.done():  # a blocked loop would not come back here until the call ended
+            await asyncio.sleep(0.01)
+            beats += 1
+        with pytest.raises(DecodeTimeoutError):
+            task.result()
+        assert beats >= 10
+        return await pool.decode_async(JPEG, 30.0)
+
+    np.testing.assert_array_equal(asyncio.run(main()), np.asarray(load_image(JPEG)))
+
+
+def test_cancelled_async_decode_frees_its_worker(pool):
+    async def main():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pool.decode_async(b"sleep", 600.0), timeout=0.5)
+        started = time.monotonic()
+        out = await pool.decode_async(JPEG, 30.0)  # the only worker would be asleep for 600 s
+        return out, time.monotonic() - started
+
+    out, waited = asyncio.run(main())
+    assert out.shape == (224, 200, 3) and waited < 30.0
+
+
+def test_concurrent_callers_share_the_workers():
+    with DecodePool(2, decode_fn=misbehaving_decode) as p:
+        with concurrent.futures.ThreadPoolExecutor(6) as callers:
+            slow = callers.submit(p.decode, b"sleep", 2.0)
+            fast = [callers.submit(p.decode, JPEG, 30.0) for _ in range(5)]
+            for f in fast:  # served by the other worker while one sleeps
+                assert f.result().shape == (224, 200, 3)
+            with pytest.raises(DecodeTimeoutError):
+                slow.result()
+
+
+def test_close_leaves_no_processes():
+    p = DecodePool(2, decode_fn=misbehaving_decode)
+    pids = p.pids
+    assert len(pids) == 2 and all(_running(pid) for pid in pids)
+    errors = []
+
+    def busy():
+        try:
+            p.decode(b"sleep", 600.0)
+        except RuntimeError as e:
+            errors.append(e)
+
+    caller = threading.Thread(target=busy)
+    caller.start()
+    p.close()
+    caller.join(30.0)
+    assert not caller.is_alive() and len(errors) == 1 and "closed" in str(errors[0])
+    assert not any(_running(pid) for pid in pids)
+    assert not {c.pid for c in multiprocessing.active_children()} & set(pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        p.decode(JPEG, 1.0)
+    p.close()  # idempotent
+
+
+def test_bad_arguments(pool):
+    with pytest.raises(ValueError, match="deadline_s must be > 0"):
+        pool.decode(JPEG, 0)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        DecodePool(0)
+
+
+def _running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
