@@ -32,7 +32,12 @@ class ModelArgs(BaseModel):
         None, description="Name in /v1/models and the accepted `model` of requests; default: `model`."
     )
     dtype: str | None = Field(None, description="float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU.")
-    attention: str | None = Field(None, description="Varlen attention backend (encoder.load); default sdpa.")
+    attention: str | dict[str, str] | None = Field(
+        None,
+        description="Attention per layer kind (encoder.load): 'auto' (default: the fastest per kind and graph "
+        "shape; sdpa on CPU), one backend name for every layer, or a mapping such as "
+        "{full: fa4, window: triton}.",
+    )
     seed: int = Field(0, description="Seed of the random weights of a preset (same seed, same model everywhere).")
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="Replica device; auto = cuda when the replica has a GPU share, else cpu."

@@ -165,6 +165,8 @@ class EncoderReplica:
             "max_batch_patches": self.pipeline.max_batch_patches,
             "max_batch_images": self.pipeline.max_batch_images,
             "graphs_captured": self.ready,
+            "attention": self.engine.stats()["attention"],  # per layer kind: what `auto` picked per graph shape
+            "random_weights": vision.random_weights,
             "replica_id": serve.get_replica_context().replica_id.unique_id,
         }
 

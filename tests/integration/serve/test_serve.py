@@ -248,6 +248,9 @@ def test_encoder_replica_direct_call_and_routing_stats(app, reference):
     assert stats["ready"] is True and stats["buckets"] == [[256, 1], [1024, 1]]
     info = enc.describe.remote().result(timeout_s=30)
     assert info["out_dim"] == reference.out_dim and info["graphs_captured"] is True
+    # the tiny preset: random weights, and on CPU `auto` resolved every layer kind to the reference
+    assert info["random_weights"] is True
+    assert set(info["attention"]) == {"full", "window"} and all("sdpa" in v for v in info["attention"].values())
     # the replica's process runs with the short GIL switch interval (AppArgs.gil_switch_interval_s)
     stats = enc.stats.remote().result(timeout_s=30)
     assert stats["gil_switch_interval_s"] == pytest.approx(0.0005)
