@@ -20,7 +20,8 @@ import numpy as np
 import pybase64
 from PIL import Image, PngImagePlugin
 
-from encoder.errors import ImageDecodeError, ImageTooLargeError
+from encoder.errors import ImageDecodeError, ImageTooLargeError, reason
+from encoder.image_guard import check_structure
 from encoder.preprocess import PreprocessConfig, canonical_format, check_image_size, load_image
 from encoder.preprocess_vit import num_patches_for, resize_image_for
 
@@ -152,17 +153,20 @@ def open_image_bytes(data: bytes, pp: PreprocessConfig, media: str | None = None
     """
     if not data:
         raise ImageDecodeError("image bytes are empty")
+    # structure first (JPEG scan counts, chunk and frame counts): Pillow parses JPEG segments in Python,
+    # and a progressive scan bomb passes every header check (`encoder.image_guard`)
+    check_structure(data, pp.image_limits)
     try:
         img = Image.open(io.BytesIO(data), formats=_allowed(pp))  # the header only
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageTooLargeError(f"image refused as a decompression bomb: {e}") from None
+        raise ImageTooLargeError(f"image refused as a decompression bomb: {reason(e)}") from None
     except Exception as e:  # noqa: BLE001 - Pillow plugins raise many types on garbage input
         fmt = _identify(data)
         if fmt is None and media:
             fmt = _MEDIA_FORMATS.get(media.removeprefix("image/"))
         if fmt is not None and canonical_format(fmt) not in pp.allowed_formats:
             raise _unsupported(fmt, pp) from None
-        raise ImageDecodeError(f"cannot identify image data ({len(data)} bytes): {e}") from None
+        raise ImageDecodeError(f"cannot identify image data ({len(data)} bytes): {reason(e)}") from None
     if canonical_format(img.format) not in pp.allowed_formats:  # a plugin that registered under another name
         raise _unsupported(str(img.format), pp)
     check_image_size(img.width, img.height, pp)

@@ -25,12 +25,14 @@ from encoder.errors import (
     ConfigError,
     EncoderError,
     ImageDecodeError,
+    ImageTooComplexError,
     ImageTooLargeError,
     InvalidArgumentError,
     InvalidImageError,
 )
 from encoder.preprocess import PreprocessConfig, load_image, patchify_many, resize_image, stack_patchify
 from tests.images_util import encode, random_array, random_image
+from tests.jpeg_bombs import scan_bomb
 from workspace.buckets import BucketKey, default_table
 
 PP = PreprocessConfig()
@@ -420,3 +422,15 @@ def test_continuous_batcher_runs_an_idle_call_in_the_callers_task():
     assert queued == 3
     assert tasks[0] == (first, [1]) and tasks[1] == (second, [2])
     assert tasks[2][1] == [3, 4, 5] and tasks[2][0] not in (first, second)  # merged in a batch task
+
+
+def test_ingress_input_opening_refuses_scan_bombs_and_words_pillow_errors():
+    """The ingress opens bytes itself: the structural guard runs there too (a progressive scan bomb is
+    refused before any decode, as 413), and Pillow's errors reach the client without object reprs."""
+    bomb = scan_bomb(2000)
+    with pytest.raises(ImageTooComplexError, match="max_jpeg_scans"):
+        open_input(bomb, PP)
+    assert classify(ImageTooComplexError("x")).error.status == 413
+    with pytest.raises(ImageDecodeError) as info:
+        open_input(b"\xff\xd8\xff\xe0 not really a jpeg", PP)
+    assert "object at 0x" not in str(info.value) and "bytes" in str(info.value)
