@@ -20,7 +20,7 @@ import numpy as np
 import pybase64
 from PIL import Image, PngImagePlugin
 
-from encoder.errors import ImageDecodeError, ImageTooLargeError, reason
+from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
 from encoder.image_guard import check_structure
 from encoder.preprocess import PreprocessConfig, canonical_format, check_image_size, load_image
 from encoder.preprocess_vit import num_patches_for, resize_image_for
@@ -191,9 +191,12 @@ def open_input(x: Any, pp: PreprocessConfig, max_image_bytes: int | None = None)
     if isinstance(x, Image.Image):
         check_image_size(x.width, x.height, pp)
         return Opened(x, num_patches_for(x.height, x.width, pp))
-    if isinstance(x, np.ndarray) and x.ndim in (2, 3) and x.dtype == np.uint8:
-        check_image_size(x.shape[1], x.shape[0], pp)
-        return Opened(x, num_patches_for(x.shape[0], x.shape[1], pp))
+    if isinstance(x, np.ndarray):
+        if x.ndim in (2, 3) and x.dtype == np.uint8:
+            check_image_size(x.shape[1], x.shape[0], pp)
+            return Opened(x, num_patches_for(x.shape[0], x.shape[1], pp))
+        load_image(x, pp)  # 0-d, 1-D, object or float arrays: the precise InvalidImageError, now
+        raise InvalidImageError(f"image arrays must be uint8 HxW or HxWxC, got {x.dtype} of shape {x.shape}")
     return Opened(x, 0)  # load_image raises the precise error
 
 

@@ -434,3 +434,14 @@ def test_ingress_input_opening_refuses_scan_bombs_and_words_pillow_errors():
     with pytest.raises(ImageDecodeError) as info:
         open_input(b"\xff\xd8\xff\xe0 not really a jpeg", PP)
     assert "object at 0x" not in str(info.value) and "bytes" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "bad", [np.zeros(()), np.zeros(5, np.uint8), np.array([None] * 3, dtype=object), np.zeros((8, 8, 3), np.float32)]
+)
+def test_handle_arrays_that_are_not_images_get_a_clear_error(bad):
+    """A 0-d, 1-D, object or float array is an InvalidImageError (400) when opened, not an IndexError later."""
+    with pytest.raises(InvalidImageError, match="image arrays must"):
+        open_input(bad, PP)
+    named = with_index(InvalidImageError("image arrays must be uint8"), "input[2]")
+    assert str(named).startswith("input[2]: ") and classify(named).error.status == 400
