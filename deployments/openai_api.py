@@ -65,18 +65,6 @@ def error_response(exc: BaseException, retry_after_s: float | None = 1.0) -> JSO
     return JSONResponse(error_body(message, error.type, error.code, param), status_code=error.status, headers=headers)
 
 
-def with_index(exc: EncoderError, where: str) -> EncoderError:
-    """The same error type with the input position prefixed to its message."""
-    if isinstance(exc, RequestError):
-        return RequestError(f"{where}: {exc}", exc.status, exc.code, exc.param)
-    try:
-        new = type(exc)(f"{where}: {exc}")
-    except Exception:  # noqa: BLE001 - an exception type with another constructor: keep the original
-        return exc
-    new.__cause__ = exc
-    return new
-
-
 # ------------------------------------------------------------------------------------------ HTTP schema
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import DEFAULT_BACKEND, get_backend, resolve_attention
+from .attention import resolve_attention
 from .checkpoint import load_weights, read_json
 from .config import ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
 from .errors import ConfigError, InvalidArgumentError, RandomWeightsWarning
@@ -355,7 +355,7 @@ def load(
     # built on the meta device: PyTorch's default init of ~680M parameters would cost seconds
     # only to be overwritten by the checkpoint or our seeded init
     with torch.device("meta"):
-        tower = build_tower(config, get_backend(DEFAULT_BACKEND))
+        tower = build_tower(config, None)
     # per layer kind; "auto" (the default) picks per kind and graph shape (`encoder.attention.auto`)
     tower.set_backend(resolve_attention(attention, tower.attention_kinds, device, dtype, config.head_dim))
     tower = tower.to_empty(device="cpu")

@@ -251,6 +251,10 @@ def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     return F.gelu(linear(x), approximate="tanh")
 
 
+# torch.mm(..., out_dtype=) (16-bit inputs, float32 output) exists from torch 2.8 on
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
 def linear_float32_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ b) in float32 for float32 x and 16-bit W, without rounding x to 16 bits.
 
@@ -269,6 +273,3 @@ def linear_float32_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         y = torch.mm(split, doubled.t(), out_dtype=torch.float32)
         return y if bias is None else y.add_(bias.float())
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-
-
-_MM_OUT_DTYPE = "out_dtype" in (torch.mm.__doc__ or "") or hasattr(torch.ops.aten.mm, "dtype")
