@@ -1,0 +1,248 @@
+"""Where graph replay loses to eager (one GPU run): the same batch through the same tower, timed in
+interleaved rounds in one process, so clocks and thermals are shared:
+
+* eager: `VisionEncoder.run_packed` (the model as loaded, then after `fuse()`),
+* runner: `GraphRunner.run` (host packing + copies + replay),
+* replay: the bucket's `CUDAGraph.replay()` alone,
+* own graph: `forward_packed` captured by this script with the batch's exact bounds, in a private pool,
+
+plus isolated GEMM / add+norm kernels eager vs captured, the SM clock and power sampled by nvidia-smi per
+phase, and a kernel table of one eager forward beside one replay (same process).
+
+Run: `python benchmarks/graph_gap.py --model qwen3-vl-8b --images 8 --side 896`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine import make_batch, use_backend  # noqa: E402
+
+import encoder  # noqa: E402
+import encoder.geometry  # noqa: E402
+import workspace  # noqa: E402
+from encoder.kernels import add_norm, linear_gelu_tanh  # noqa: E402
+
+MARKS: list[tuple[float, str]] = []
+
+
+def mark(name: str) -> None:
+    torch.cuda.synchronize()
+    MARKS.append((time.time(), name))
+
+
+def timed(fn, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def captured(fn):
+    """fn captured in its own graph (private pool) after a warm-up on a side stream; returns replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def rounds(cases: dict, n: int, iters: int) -> dict[str, float]:
+    """Median over `n` interleaved rounds of each case's median ms."""
+    got: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(n):
+        for name, fn in cases.items():
+            mark(f"start {name}")
+            got[name].append(timed(fn, iters))
+            mark(f"end {name}")
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+def kernel_table(fn, label: str, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n### kernels, 2 x {label}\n")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90))
+
+
+def isolated(S: int, D: int, F_: int) -> None:
+    """GEMM and add+norm shapes of one block, 16 in a row, eager vs captured."""
+    x = torch.randn(S, D, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.nn.Linear(D, 3 * D, device="cuda", dtype=torch.bfloat16)
+    fc1 = torch.nn.Linear(D, F_, device="cuda", dtype=torch.bfloat16)
+    fc1p = torch.nn.Linear(D, -(-F_ // 128) * 128, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(S, D, device="cuda", dtype=torch.float32)
+    w = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    b = torch.zeros(D, device="cuda", dtype=torch.bfloat16)
+    cases = {
+        f"qkv bias GEMM {S}x{D}->{3 * D}": lambda: [F.linear(x, qkv.weight, qkv.bias) for _ in range(16)],
+        f"fc1+gelu GEMM ->{F_}": lambda: [linear_gelu_tanh(x, fc1) for _ in range(16)],
+        f"fc1+gelu GEMM ->{fc1p.out_features} (padded)": lambda: [linear_gelu_tanh(x, fc1p) for _ in range(16)],
+        "add_norm": lambda: [add_norm(x, res, w, b, 1e-6, False) for _ in range(16)],
+    }
+    print("\n### isolated kernels (16 calls; ms per call)\n\n| case | eager | graph |\n| --- | ---: | ---: |")
+    for name, fn in cases.items():
+        replay = captured(fn)
+        r = rounds({"eager": fn, "graph": replay}, 3, 5)
+        print(f"| {name} | {r['eager'] / 16:.4f} | {r['graph'] / 16:.4f} |", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="qwen3-vl-8b")
+    parser.add_argument("--images", type=int, default=8)
+    parser.add_argument("--side", type=int, default=896)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=14)
+    parser.add_argument("--smi", default="/tmp/smi.csv")
+    args = parser.parse_args()
+    smi = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu",
+         "--format=csv,noheader,nounits", "-lms", "100"],
+        stdout=open(args.smi, "w"), stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        return run(args)
+    finally:
+        smi.terminate()
+        summarize_clocks(args.smi)
+
+
+def run(args) -> int:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
+    use_backend(base, args.backend)
+    cfg = base.config
+    batch = make_batch(base, args.images, args.side)
+    per = (args.side // cfg.patch_size) ** 2
+    total = args.images * per
+    buckets = [total]
+    tower = base.model
+    frames = encoder.geometry.frames_of(batch.grid_thw).to("cuda")
+    pv = batch.pixel_values
+    bounds = tower.batch_bounds(batch.grid_thw.tolist())  # host values: read before any capture
+    results: dict[str, float] = {}
+
+    with torch.inference_mode():
+        # unpadded MLP: eager, runner, replay, own graph
+        g0 = workspace.GraphEncoder(base, buckets=buckets, pad_mlp=0)
+        shape0 = used_shape(g0, args.images, per)
+        own0 = captured(lambda: tower.forward_packed(pv, frames, bounds))
+        r = rounds(
+            {
+                "eager (as loaded)": lambda: base.run_packed(batch),
+                "runner.run (pad 0)": lambda: g0.runner.run(batch.pixel_values, batch.grid_thw),
+                "replay (pad 0)": g0.runner.graphs[shape0].replay,
+                "own graph (pad 0)": own0,
+            },
+            args.rounds,
+            args.iters,
+        )
+        results.update(r)
+        print(f"graph shapes captured (pad 0): {len(g0.runner.graphs)}; replayed {shape0}", flush=True)
+        g0 = own0 = r = None  # the pad-0 graphs go before the layout changes
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        # padded MLP (the default GraphEncoder)
+        g = workspace.GraphEncoder(base, buckets=buckets)
+        shape = used_shape(g, args.images, per)
+        own = captured(lambda: tower.forward_packed(pv, frames, bounds))
+        r = rounds(
+            {
+                "eager (fused)": lambda: base.run_packed(batch),
+                "runner.run": lambda: g.runner.run(batch.pixel_values, batch.grid_thw),
+                "replay": g.runner.graphs[shape].replay,
+                "own graph": own,
+            },
+            args.rounds,
+            args.iters,
+        )
+        results.update(r)
+        flops = encoder_flops(cfg) * total
+        print(f"\n## {args.model} {args.images}x{args.side}² ({total} patches), backend {args.backend}\n")
+        print("| case | ms | TFLOP/s (linear) |\n| --- | ---: | ---: |")
+        for k, v in results.items():
+            print(f"| {k} | {v:.2f} | {flops / v / 1e9:.0f} |")
+        sys.stdout.flush()
+        kernel_table(lambda: base.run_packed(batch), "eager (fused)", args.rows)
+        kernel_table(g.runner.graphs[shape].replay, "replay", args.rows)
+        g = own = None
+        torch.cuda.empty_cache()
+        isolated(total, cfg.width, cfg.mlp_dim)
+    return 0
+
+
+def used_shape(graph, images: int, per: int):
+    """The graph shape the runner replays for `images` images of `per` patches each."""
+    runner = graph.runner
+    (key,) = runner.table.keys
+    return next(s for s in runner.shapes[key] if s.holds(images, per))
+
+
+def encoder_flops(cfg) -> float:
+    from engine import linear_flops_per_patch
+
+    return linear_flops_per_patch(cfg)
+
+
+def summarize_clocks(path: str) -> None:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            ts = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
+            ts += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0
+            rows.append((ts, float(parts[1]), float(parts[2]), float(parts[3]), float(parts[4])))
+        except (ValueError, IndexError):
+            continue
+    if not rows:
+        print("no nvidia-smi samples")
+        return
+    print("\n### SM clock / power per phase (nvidia-smi, 100 ms samples)\n")
+    print("| phase | samples | SM MHz | mem MHz | W | °C |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    agg: dict[str, list] = {}
+    for (t0, a), (t1, _) in zip(MARKS, MARKS[1:], strict=False):
+        if not a.startswith("start "):
+            continue
+        name = a[6:]
+        agg.setdefault(name, []).extend(r for r in rows if t0 <= r[0] <= t1)
+    for name, rs in agg.items():
+        if rs:
+            mean = [statistics.mean(r[i] for r in rs) for i in range(1, 5)]
+            print(f"| {name} | {len(rs)} | {mean[0]:.0f} | {mean[1]:.0f} | {mean[2]:.0f} | {mean[3]:.0f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
