@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 
@@ -26,6 +27,12 @@ class Sized(Protocol):
     def patches(self) -> int: ...
 
 
+def _cancel_if_abandoned(task: asyncio.Task, futures: list[asyncio.Future], _done: asyncio.Future) -> None:
+    """Every caller of a running batch is gone (cancelled: deadline, disconnect): so is the batch."""
+    if not task.done() and all(f.cancelled() for f in futures):
+        task.cancel()
+
+
 class ContinuousBatcher:
     """`await batcher(item)` -> the item's result from `run(batch)`.
 
@@ -34,7 +41,7 @@ class ContinuousBatcher:
     at most `max_concurrent` batches run at once. `keep(items) -> k` (optional) may shorten a formed
     batch to its first k items; the rest go back to the front of the queue, first in the next batch.
     An exception from `run` goes to every caller of that batch; callers cancelled while queued are
-    dropped before the batch is formed.
+    dropped before the batch is formed, and a running batch whose callers were all cancelled is cancelled.
     """
 
     def __init__(
@@ -100,6 +107,8 @@ class ContinuousBatcher:
             task = asyncio.get_running_loop().create_task(self._run_batch(batch, futures))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            for f in futures:
+                f.add_done_callback(partial(_cancel_if_abandoned, task, futures))
 
     async def _run_batch(self, batch: list, futures: list[asyncio.Future]) -> None:
         try:

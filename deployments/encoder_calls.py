@@ -7,7 +7,10 @@ num_patches=n)` (per-token LLM-ready outputs in a wire dtype):
 * merging (`ingress_batch_size` > 1): calls that arrive while `ingress_max_concurrent_batches` merged
   requests are in flight wait and go together in the next one (no timer: an idle call goes out at once),
   so many one-image clients cost the encoder replica few Serve requests;
-* splitting: a request above the encoder's batch limits goes as several calls (`chunk`);
+* splitting: a request above the encoder's batch limits goes as several calls (`chunk`, "packs"), at most
+  `ingress_packs_in_flight` of them at once, so other callers' requests interleave with a large one;
+* cancelling: a call given up (deadline, client gone, a sibling pack failed) is cancelled at the encoder
+  too (`aio.await_cancelling`), and a request's packs not yet sent are not sent;
 * retries: a call whose replica died or is unavailable is retried with backoff (encoding is idempotent);
 * transport: payloads above 2 MiB of pixels go by reference (the object store), smaller ones inline.
 
@@ -30,6 +33,7 @@ from ray.serve.handle import DeploymentHandle
 
 from encoder.preprocess_vit import preprocess_config_from_dump
 
+from .aio import await_cancelling, gather_or_cancel
 from .batching import ContinuousBatcher
 from .config import AppArgs
 from .errors import UNAVAILABLE_ERRORS
@@ -122,7 +126,7 @@ class EncoderClient:
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    info = await self._retrying(lambda: call_as_new_request(self._encoder.describe))
+                    info = await self._retrying(lambda: await_cancelling(call_as_new_request(self._encoder.describe)))
                     model_pp = preprocess_config_from_dump(info["preprocess"])
                     info["preprocess_config"] = ingress_preprocess_config(
                         model_pp, self.args.max_image_pixels, self.args.image_formats
@@ -162,13 +166,25 @@ class EncoderClient:
             handle = self._encoder_by_ref if sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES else self._encoder
             n = sum(counts[s:e])
             if llm is not None:
-                return lambda: call_as_new_request(handle.encode_llm_pixels, arrays[s:e], dtype=llm, num_patches=n)
-            return lambda: call_as_new_request(handle.encode_pixels, arrays[s:e], pooling=pooling, num_patches=n)
+                method, kwargs = handle.encode_llm_pixels, {"dtype": llm, "num_patches": n}
+            else:
+                method, kwargs = handle.encode_pixels, {"pooling": pooling, "num_patches": n}
+            return lambda: await_cancelling(call_as_new_request(method, arrays[s:e], **kwargs))
 
-        self._telemetry.count("encoder_requests", len(parts))
         if len(parts) == 1:
+            self._telemetry.count("encoder_requests")
             return await self._retrying(call(*parts[0]))
-        results = await asyncio.gather(*(self._retrying(call(s, e)) for s, e in parts))
+        # At most `ingress_packs_in_flight` packs of one request are with the encoder at once, in order: a
+        # request queued behind a large one waits for that many packs, not all of them; and when the request
+        # is given up (deadline, disconnect, a failed pack) its packs not yet sent are never sent.
+        window = asyncio.Semaphore(self.args.ingress_packs_in_flight)
+
+        async def pack(s: int, e: int) -> list:
+            async with window:
+                self._telemetry.count("encoder_requests")
+                return await self._retrying(call(s, e))
+
+        results = await gather_or_cancel(pack(s, e) for s, e in parts)
         return [v for part in results for v in part]
 
     async def _run_merged(self, calls: list[Call]) -> list[list[np.ndarray]]:

@@ -197,8 +197,17 @@ class DevicePipeline:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
-            finish, launch_s = await loop.run_in_executor(self._device_thread, self._launch, works)
-            results = await loop.run_in_executor(self._results_thread, finish)
+            launched = self._device_thread.submit(self._launch, works)
+            try:
+                finish, launch_s = await asyncio.wrap_future(launched)
+            except asyncio.CancelledError:
+                # the callers are gone (deadline, disconnect): a batch still queued for the device thread is
+                # dropped; one already launched has its outputs collected for nobody (the device's work and
+                # buffers are released in order, as for any batch)
+                if not launched.cancelled():
+                    launched.add_done_callback(self._collect_for_nobody)
+                raise
+            results = await asyncio.shield(loop.run_in_executor(self._results_thread, finish))
         except EncoderError:
             raise
         except Exception as e:
@@ -223,6 +232,10 @@ class DevicePipeline:
             stats=self.engine.stats(),
         )
         return results
+
+    def _collect_for_nobody(self, launched) -> None:
+        if not launched.cancelled() and launched.exception() is None:
+            self._results_thread.submit(launched.result()[0])
 
     @torch.inference_mode()
     def _launch(self, works: list[Work]):
