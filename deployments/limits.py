@@ -13,6 +13,7 @@ import asyncio
 
 from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
+from starlette.requests import ClientDisconnect
 
 from .errors import ErrorCode, RequestError
 
@@ -94,9 +95,9 @@ async def read_body(request, limit: int, reserve=None, timeout_s: float | None =
                 total += n
                 if timeout_s is not None:
                     timer.reschedule(started + timeout_s + total / min_rate)
-    except TaskCancelledError:
-        # Serve's receive from its proxy was cancelled: the client went away mid-body. That is the request
-        # being cancelled (Serve cancels it next), not a server error to log.
+    except (ClientDisconnect, TaskCancelledError):
+        # the client went away mid-body (Starlette says so, or Serve's receive from its proxy was cancelled):
+        # that is the request being cancelled (Serve cancels it next), not a server error to log
         raise asyncio.CancelledError from None
     except TimeoutError:
         if not timer.expired():
