@@ -153,7 +153,10 @@ class EncoderClient:
         info = await self.info()
         p = info["preprocess_config"].patch_size
         counts = [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays]
-        if self._merge is not None and len(arrays) < self.args.ingress_batch_size:
+        # only what fits one encoder call is merged: a request of several packs would hold a merge slot (and
+        # the callers merged with it) for all of them
+        small = len(arrays) < self.args.ingress_batch_size and sum(counts) <= info["max_batch_patches"]
+        if self._merge is not None and small:
             self._telemetry.count("merged_calls")
             return await self._merge(Call(arrays, counts, pooling, llm)), sum(counts)
         return await self._send(arrays, counts, pooling, llm), sum(counts)

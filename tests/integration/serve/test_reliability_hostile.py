@@ -112,6 +112,7 @@ def test_a_scan_bomb_is_refused_and_health_answers_meanwhile(app, client, bomb, 
     assert r.json()["error"]["message"].startswith("input[0]: "), r.text
     assert seconds < 3.0, seconds
     assert all(status == 200 and s < 1.5 for status, s in health), health
+    print(f"{code}: 413 in {seconds:.2f}s; /health x{len(health)}, slowest {max(s for _, s in health):.3f}s")
 
 
 def test_pool_bombs_cost_their_senders_a_worker_for_the_deadline(app, client):
@@ -127,11 +128,14 @@ def test_pool_bombs_cost_their_senders_a_worker_for_the_deadline(app, client):
     r, seconds = timed_post(client, {"input": [data_url(png(300)), data_url(png(200, (1, 2, 3)))]})
     assert r.status_code == 200 and len(r.json()["data"]) == 2, r.text
     assert seconds < 5.0, seconds
+    bomb_times = []
     for thread, out in bombs:
         thread.join()
         bomb, bomb_s = out[0]
         assert bomb.status_code == 413 and bomb.json()["error"]["code"] == "image_decode_timeout", bomb.text
         assert bomb_s < 5.0, bomb_s
+        bomb_times.append(round(bomb_s, 2))
+    print(f"four pool bombs: 413 after {sorted(bomb_times)} s; the two-image request 2 s later: {seconds:.2f}s")
     wait_for(lambda: len(decode_pids(app)) == 2, timeout_s=30, what="the replaced decode processes")
     assert not set(decode_pids(app)) & set(pids)  # every worker was bombed, killed and replaced
 
@@ -167,6 +171,7 @@ def test_a_request_past_the_deadline_is_answered_504_and_its_work_dropped(client
     answered = time.monotonic()
     results = good_requests_after(client, answered)
     assert results and all(status == 200 and s < 5.0 for status, s in results), results
+    print(f"504 after {seconds:.1f}s; then {len(results)} good requests, slowest {max(s for _, s in results):.2f}s")
     assert_heavy_work_dropped(encoder_handle, before)
 
 
@@ -178,6 +183,7 @@ def test_a_request_abandoned_by_its_client_is_dropped(app, client, encoder_handl
     gone = time.monotonic()
     results = good_requests_after(client, gone)
     assert results and all(status == 200 and s < 5.0 for status, s in results), results
+    print(f"abandoned: then {len(results)} good requests, slowest {max(s for _, s in results):.2f}s")
     assert_heavy_work_dropped(encoder_handle, before)
 
 
@@ -189,4 +195,5 @@ def test_other_callers_interleave_with_a_heavy_request(app, client, encoder_hand
     r, seconds = timed_post(client, {"input": [SMALL]})
     assert r.status_code == 200 and seconds < 5.0, (r.status_code, seconds)
     assert heavy.is_alive()  # it was still running
+    print(f"one-image request beside the heavy one: {seconds:.2f}s")
     heavy.join()
