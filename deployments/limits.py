@@ -49,13 +49,19 @@ def request_too_large(size: int | str, limit: int) -> RequestError:
     )
 
 
+# Bodies declaring more than this are read into one preallocated buffer.
+_PREALLOCATE_BYTES = 1 * 2**20
+
+
 def header_bytes(request) -> int:
     """Bytes of a Starlette request's headers (what the client sent of them, near enough), counted
     against the ingress's in-flight bytes as its body is."""
     return sum(len(k) + len(v) + 4 for k, v in request.headers.raw)
 
 
-async def read_body(request, limit: int, reserve=None, timeout_s: float | None = None, min_rate: int = 1) -> bytearray:
+async def read_body(
+    request, limit: int, reserve=None, timeout_s: float | None = None, min_rate: int = 1
+) -> bytes | bytearray:
     """The body of a Starlette request, refused (413) as soon as it is known to exceed `limit` bytes.
 
     `reserve(n)` (optional) is called for each part of the body before it is kept (the declared
@@ -76,24 +82,28 @@ async def read_body(request, limit: int, reserve=None, timeout_s: float | None =
             reserve(size)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    # with a declared size the body is read into one buffer (no list of chunks joined: a second copy)
-    buf = bytearray(size) if size is not None else bytearray()
+    # a big declared body is read into one buffer (a list of chunks joined would hold it twice at the end);
+    # a small one as a list: one chunk, the usual case, is returned as it came, without a copy
+    buf = bytearray(size) if size is not None and size > _PREALLOCATE_BYTES else None
+    chunks: list[bytes] = []
     total = 0
-    timer = asyncio.timeout_at(None if timeout_s is None else started + timeout_s)
+    # a declared size fixes the deadline at once; a chunked body's grows with what has arrived
+    grows = timeout_s is not None and size is None
+    timer = asyncio.timeout_at(None if timeout_s is None else started + timeout_s + (size or 0) / min_rate)
     try:
         async with timer:
             async for chunk in request.stream():
                 n = len(chunk)
                 if total + n > limit or (size is not None and total + n > size):
                     raise request_too_large(f"more than {size if size is not None else limit}", limit)
-                if size is not None:
+                if size is None and reserve is not None:
+                    reserve(n)
+                if buf is not None:
                     buf[total : total + n] = chunk
                 else:
-                    if reserve is not None:
-                        reserve(n)
-                    buf += chunk
+                    chunks.append(chunk)
                 total += n
-                if timeout_s is not None:
+                if grows:
                     timer.reschedule(started + timeout_s + total / min_rate)
     except (ClientDisconnect, TaskCancelledError):
         # the client went away mid-body (Starlette says so, or Serve's receive from its proxy was cancelled):
@@ -112,7 +122,9 @@ async def read_body(request, limit: int, reserve=None, timeout_s: float | None =
             f"the request body ended after {total} of the {size} bytes of its Content-Length",
             ErrorCode.INVALID_REQUEST, None,
         )  # fmt: skip
-    return buf  # bytearray: what pydantic parses without another copy
+    if buf is not None:
+        return buf  # what pydantic parses without another copy
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 # ------------------------------------------------------------------------------------------ admission
