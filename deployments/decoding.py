@@ -10,13 +10,15 @@ Where each decode runs (issue 17: a decode must be bounded and cancellable):
 * encoded images go to `encoder.decode_pool.DecodePool` (`decode_processes` workers, started with the first
   request): a decode that overruns `decode_timeout_s` is killed with its worker (413 image_decode_timeout)
   and costs its sender that worker for at most the deadline; a cancelled request's decodes are stopped;
-* one small encoded picture (at most _INLINE_DECODE_PIXELS) is decoded on the event loop, by measurement
-  (`benchmarks`-style medians on the 2-core CPU box, 2026-12-01, load ~1): a 224x224 PNG decodes and resizes
-  in 0.90 ms inline and 2.1 ms through the pool (the hop costs more than the decode), while the worst a
-  picture that small can cost the loop is a progressive JPEG at the 100-scan limit: 128x128 2.2 ms,
-  224x224 4.9 ms, 256x256 7.7 ms (384x384 17 ms, 512x512 32 ms, 4096x4096 1.8 s, hence the pool above it);
-* decoded inputs of the handle API (PIL images, uint8 arrays) are only resized, in the thread pool, as are
-  the header checks of multi-image requests.
+* one small picture (at most _INLINE_DECODE_PIXELS) is decoded or resized on the event loop, by
+  measurement (`decode_resized` with the tiny preset's preprocessing, medians of 7-30 runs on the 2-core CPU
+  box, 2026-12-01, load 1-4): a 224x224 PNG decodes and resizes in 0.90 ms inline (JPEG q90 1.2 ms) and
+  2.1 ms through a 2-worker pool (JPEG 1.8 ms; the hop costs more than the decode), while the worst a
+  picture that small can cost the loop is a progressive JPEG at the 100-scan limit (`tests.jpeg_bombs`):
+  128x128 2.2 ms, 224x224 4.9 ms, 256x256 7.7 ms; 384x384 17 ms, 512x512 32 ms, 4096x4096 1.8 s: the pool
+  above 256x256 (the fast path's 224x224 images stay inline, as before);
+* decoded inputs of the handle API (PIL images, uint8 arrays) above that size are resized in the thread
+  pool, as are the header checks of multi-image requests.
 """
 
 from __future__ import annotations
