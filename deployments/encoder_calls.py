@@ -56,6 +56,7 @@ class Call:
     counts: list[int]
     pooling: str
     llm: str | None = None  # LLM-ready outputs in this wire dtype (`encode_llm_pixels`) instead of pooled vectors
+    deadline: float | None = None  # time.time() past which nobody waits for it
 
     @property
     def patches(self) -> int:
@@ -148,8 +149,11 @@ class EncoderClient:
             self._telemetry.count("encoder_backpressure")
             raise
 
-    async def encode(self, arrays: list[np.ndarray], pooling: str, llm: str | None = None) -> tuple[list, int]:
-        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`; and the patches."""
+    async def encode(
+        self, arrays: list[np.ndarray], pooling: str, llm: str | None = None, deadline: float | None = None
+    ) -> tuple[list, int]:
+        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`; and the patches.
+        `deadline` (`time.time()`): the request's, sent along so the encoder drops the work once it passed."""
         info = await self.info()
         p = info["preprocess_config"].patch_size
         counts = [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays]
@@ -158,10 +162,17 @@ class EncoderClient:
         small = len(arrays) < self.args.ingress_batch_size and sum(counts) <= info["max_batch_patches"]
         if self._merge is not None and small:
             self._telemetry.count("merged_calls")
-            return await self._merge(Call(arrays, counts, pooling, llm)), sum(counts)
-        return await self._send(arrays, counts, pooling, llm), sum(counts)
+            return await self._merge(Call(arrays, counts, pooling, llm, deadline)), sum(counts)
+        return await self._send(arrays, counts, pooling, llm, deadline), sum(counts)
 
-    async def _send(self, arrays: list[np.ndarray], counts: list[int], pooling: str, llm: str | None = None) -> list:
+    async def _send(
+        self,
+        arrays: list[np.ndarray],
+        counts: list[int],
+        pooling: str,
+        llm: str | None = None,
+        deadline: float | None = None,
+    ) -> list:
         info = await self.info()
         parts = chunk(counts, info["max_batch_patches"], info["max_batch_images"])
 
@@ -169,9 +180,9 @@ class EncoderClient:
             handle = self._encoder_by_ref if sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES else self._encoder
             n = sum(counts[s:e])
             if llm is not None:
-                method, kwargs = handle.encode_llm_pixels, {"dtype": llm, "num_patches": n}
+                method, kwargs = handle.encode_llm_pixels, {"dtype": llm, "num_patches": n, "deadline": deadline}
             else:
-                method, kwargs = handle.encode_pixels, {"pooling": pooling, "num_patches": n}
+                method, kwargs = handle.encode_pixels, {"pooling": pooling, "num_patches": n, "deadline": deadline}
             return lambda: await_cancelling(call_as_new_request(method, arrays[s:e], **kwargs))
 
         if len(parts) == 1:
@@ -200,8 +211,11 @@ class EncoderClient:
         async def run(mode: tuple[str, str | None], members: list[int]) -> None:
             arrays = [x for i in members for x in calls[i].arrays]
             counts = [n for i in members for n in calls[i].counts]
+            deadlines = [calls[i].deadline for i in members]
+            # the merged call is wanted until its last caller's deadline
+            deadline = None if None in deadlines else max(deadlines)
             self._telemetry.metrics.merged.observe(len(arrays))
-            vectors = await self._send(arrays, counts, *mode)
+            vectors = await self._send(arrays, counts, *mode, deadline)
             pos = 0
             for i in members:
                 out[i] = vectors[pos : pos + len(calls[i].arrays)]

@@ -75,7 +75,8 @@ class HandleCalls:
                 reserve = partial(admission.reserve_patches, ticket)
                 arrays = await self._decoder.prepare(list(images), info["preprocess_config"], "images", None, reserve)
                 encode_at = time.perf_counter()
-                vectors, patches = await self._client.encode(arrays, pooling, llm)
+                deadline = time.time() + self.args.request_timeout_s - (time.perf_counter() - started)
+                vectors, patches = await self._client.encode(arrays, pooling, llm, deadline)
             outcome = OK
             done = time.perf_counter()
             telemetry.timings["handle"].add(total=done - started, decode=encode_at - decode_at, encode=done - encode_at)

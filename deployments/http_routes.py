@@ -158,7 +158,8 @@ class HttpRoutes:
         # base64 element type (a bfloat16 answer crosses from the replica at half the bytes)
         dtype = body.embedding_dtype
         llm = dtype if pooling == "none" else None
-        vectors, patches = await self._client.encode(arrays, pooling, llm)
+        deadline = time.time() + a.request_timeout_s - (time.perf_counter() - started)
+        vectors, patches = await self._client.encode(arrays, pooling, llm, deadline)
         answer_at = time.perf_counter()
         del arrays
         args = (vectors, body.encoding_format, self._model_name, patches, dtype)

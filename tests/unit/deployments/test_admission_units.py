@@ -142,3 +142,34 @@ def test_gather_or_cancel_and_await_cancelling():
         return cancelled, r.cancelled
 
     assert asyncio.run(main()) == ([True], True)
+
+
+def test_queued_work_past_its_deadline_is_dropped_unrun():
+    class Item:
+        counts = [1]
+        patches = 1
+
+        def __init__(self, expired: bool):
+            self.expired = expired
+
+    async def main():
+        started, release, ran = asyncio.Event(), asyncio.Event(), []
+
+        async def run(items):
+            ran.append(len(items))
+            started.set()
+            await release.wait()
+            return [len(items)] * len(items)
+
+        batcher = ContinuousBatcher(run, lambda p, i: True, max_concurrent=1, expired=lambda item: item.expired)
+        first = asyncio.ensure_future(batcher(Item(False)))
+        await started.wait()
+        late, fresh = asyncio.ensure_future(batcher(Item(True))), asyncio.ensure_future(batcher(Item(False)))
+        await asyncio.sleep(0)
+        release.set()
+        results = await asyncio.gather(first, late, fresh, return_exceptions=True)
+        return results, ran
+
+    (first, late, fresh), ran = asyncio.run(main())
+    assert isinstance(late, TimeoutError) and "deadline passed" in str(late)
+    assert (first, fresh, ran) == (1, 1, [1, 1])  # the expired item never ran
