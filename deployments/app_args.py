@@ -209,7 +209,22 @@ class IngressArgs(BaseModel):
         description="Merged encoder requests in flight per ingress; calls arriving meanwhile wait and "
         "go together in the next one (no timer).",
     )
-    decode_threads: int = Field(4, gt=0, description="Threads per ingress decoding and resizing images.")
+    ingress_packs_in_flight: int = Field(
+        2,
+        gt=0,
+        description="Encoder calls (packs) of one request split for the encoder's batch limits that are in flight "
+        "at once; the rest wait, so other callers' requests interleave with a large one (2: the next pack is "
+        "queued while one runs, as with pipeline_depth 2).",
+    )
+    decode_threads: int = Field(
+        4, gt=0, description="Threads per ingress opening image headers and resizing decoded (PIL, array) inputs."
+    )
+    decode_processes: int = Field(
+        4,
+        gt=0,
+        description="Worker processes per ingress decoding encoded images (encoder.decode_pool): a decode that "
+        "overruns decode_timeout_s is killed with its process, which is replaced.",
+    )
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After (seconds, rounded up) of 429 / 503 answers.")
     request_timeout_s: float = Field(
         60.0, gt=0, description="Per request, body read to response; past it 504 (408 if the body was still coming)."
@@ -272,6 +287,33 @@ class LimitArgs(BaseModel):
     )
     url_schemes: tuple[str, ...] = Field(("https",), description="URL schemes fetched for allowlisted hosts.")
     url_fetch_timeout_s: float = Field(10.0, gt=0, description="Time limit of one image URL fetch.")
+    decode_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Time limit of decoding one encoded image in a decode process (else 413 image_decode_timeout); "
+        "a 100-scan 4096x4096 progressive JPEG takes ~1.8 s on a CPU core, a 7000x7000 PNG ~4 s.",
+    )
+    max_inflight_bytes: int = Field(
+        256 * 2**20,
+        gt=0,
+        description="Request bytes (headers and body) one ingress replica holds at once; a request that would "
+        "exceed it is answered 429 with Retry-After at once (one request alone is always let in).",
+    )
+    max_inflight_patches: int = Field(
+        1_048_576,
+        gt=0,
+        description="Patches of the requests one ingress replica decodes and encodes at once (counted from the "
+        "headers, before decoding); over it 429 with Retry-After at once (one request alone is always let in).",
+    )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Time for a request body to arrive, plus one second per body_min_rate bytes received; "
+        "past it 408. A body holds no admission slot until it has arrived.",
+    )
+    body_min_rate: int = Field(
+        1 * 2**20, gt=0, description="Bytes per second a request body's time limit grows by (see body_timeout_s)."
+    )
 
     @field_validator("image_formats", "url_allowlist", "url_schemes", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 
@@ -26,6 +27,12 @@ class Sized(Protocol):
     def patches(self) -> int: ...
 
 
+def _cancel_if_abandoned(task: asyncio.Task, futures: list[asyncio.Future], _done: asyncio.Future) -> None:
+    """Every caller of a running batch is gone (cancelled: deadline, disconnect): so is the batch."""
+    if not task.done() and all(f.cancelled() for f in futures):
+        task.cancel()
+
+
 class ContinuousBatcher:
     """`await batcher(item)` -> the item's result from `run(batch)`.
 
@@ -34,7 +41,8 @@ class ContinuousBatcher:
     at most `max_concurrent` batches run at once. `keep(items) -> k` (optional) may shorten a formed
     batch to its first k items; the rest go back to the front of the queue, first in the next batch.
     An exception from `run` goes to every caller of that batch; callers cancelled while queued are
-    dropped before the batch is formed.
+    dropped before the batch is formed (so are items for which `expired(item)`, optional, is true: their
+    callers get TimeoutError), and a running batch whose callers were all cancelled is cancelled.
     """
 
     def __init__(
@@ -43,10 +51,11 @@ class ContinuousBatcher:
         fits: Callable[[int, int], bool],
         max_concurrent: int = 1,
         keep: Callable[[list[Any]], int] | None = None,
+        expired: Callable[[Any], bool] | None = None,
     ):
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-        self._run, self._fits, self._slots, self._keep = run, fits, max_concurrent, keep
+        self._run, self._fits, self._slots, self._keep, self._expired = run, fits, max_concurrent, keep, expired
         self._queue: deque[tuple[Sized, asyncio.Future]] = deque()
         self._running = 0
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
@@ -78,6 +87,10 @@ class ContinuousBatcher:
             if future.done():  # cancelled while waiting
                 self._queue.popleft()
                 continue
+            if self._expired is not None and self._expired(item):  # nobody waits for it any more
+                self._queue.popleft()
+                future.set_exception(TimeoutError("the request's deadline passed while it was queued"))
+                continue
             if batch and not self._fits(patches + item.patches, images + len(item.counts)):
                 break
             self._queue.popleft()
@@ -100,6 +113,8 @@ class ContinuousBatcher:
             task = asyncio.get_running_loop().create_task(self._run_batch(batch, futures))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            for f in futures:
+                f.add_done_callback(partial(_cancel_if_abandoned, task, futures))
 
     async def _run_batch(self, batch: list, futures: list[asyncio.Future]) -> None:
         try:

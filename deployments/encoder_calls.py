@@ -7,7 +7,10 @@ num_patches=n)` (per-token LLM-ready outputs in a wire dtype):
 * merging (`ingress_batch_size` > 1): calls that arrive while `ingress_max_concurrent_batches` merged
   requests are in flight wait and go together in the next one (no timer: an idle call goes out at once),
   so many one-image clients cost the encoder replica few Serve requests;
-* splitting: a request above the encoder's batch limits goes as several calls (`chunk`);
+* splitting: a request above the encoder's batch limits goes as several calls (`chunk`, "packs"), at most
+  `ingress_packs_in_flight` of them at once, so other callers' requests interleave with a large one;
+* cancelling: a call given up (deadline, client gone, a sibling pack failed) is cancelled at the encoder
+  too (`aio.await_cancelling`), and a request's packs not yet sent are not sent;
 * retries: a call whose replica died or is unavailable is retried with backoff (encoding is idempotent);
 * transport: payloads above 2 MiB of pixels go by reference (the object store), smaller ones inline.
 
@@ -30,6 +33,7 @@ from ray.serve.handle import DeploymentHandle
 
 from encoder.preprocess_vit import preprocess_config_from_dump
 
+from .aio import await_cancelling, gather_or_cancel
 from .batching import ContinuousBatcher
 from .config import AppArgs
 from .errors import UNAVAILABLE_ERRORS
@@ -52,6 +56,7 @@ class Call:
     counts: list[int]
     pooling: str
     llm: str | None = None  # LLM-ready outputs in this wire dtype (`encode_llm_pixels`) instead of pooled vectors
+    deadline: float | None = None  # time.time() past which nobody waits for it
 
     @property
     def patches(self) -> int:
@@ -122,7 +127,7 @@ class EncoderClient:
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    info = await self._retrying(lambda: call_as_new_request(self._encoder.describe))
+                    info = await self._retrying(lambda: await_cancelling(call_as_new_request(self._encoder.describe)))
                     model_pp = preprocess_config_from_dump(info["preprocess"])
                     info["preprocess_config"] = ingress_preprocess_config(
                         model_pp, self.args.max_image_pixels, self.args.image_formats
@@ -144,17 +149,30 @@ class EncoderClient:
             self._telemetry.count("encoder_backpressure")
             raise
 
-    async def encode(self, arrays: list[np.ndarray], pooling: str, llm: str | None = None) -> tuple[list, int]:
-        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`; and the patches."""
+    async def encode(
+        self, arrays: list[np.ndarray], pooling: str, llm: str | None = None, deadline: float | None = None
+    ) -> tuple[list, int]:
+        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`; and the patches.
+        `deadline` (`time.time()`): the request's, sent along so the encoder drops the work once it passed."""
         info = await self.info()
         p = info["preprocess_config"].patch_size
         counts = [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays]
-        if self._merge is not None and len(arrays) < self.args.ingress_batch_size:
+        # only what fits one encoder call is merged: a request of several packs would hold a merge slot (and
+        # the callers merged with it) for all of them
+        small = len(arrays) < self.args.ingress_batch_size and sum(counts) <= info["max_batch_patches"]
+        if self._merge is not None and small:
             self._telemetry.count("merged_calls")
-            return await self._merge(Call(arrays, counts, pooling, llm)), sum(counts)
-        return await self._send(arrays, counts, pooling, llm), sum(counts)
+            return await self._merge(Call(arrays, counts, pooling, llm, deadline)), sum(counts)
+        return await self._send(arrays, counts, pooling, llm, deadline), sum(counts)
 
-    async def _send(self, arrays: list[np.ndarray], counts: list[int], pooling: str, llm: str | None = None) -> list:
+    async def _send(
+        self,
+        arrays: list[np.ndarray],
+        counts: list[int],
+        pooling: str,
+        llm: str | None = None,
+        deadline: float | None = None,
+    ) -> list:
         info = await self.info()
         parts = chunk(counts, info["max_batch_patches"], info["max_batch_images"])
 
@@ -162,13 +180,25 @@ class EncoderClient:
             handle = self._encoder_by_ref if sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES else self._encoder
             n = sum(counts[s:e])
             if llm is not None:
-                return lambda: call_as_new_request(handle.encode_llm_pixels, arrays[s:e], dtype=llm, num_patches=n)
-            return lambda: call_as_new_request(handle.encode_pixels, arrays[s:e], pooling=pooling, num_patches=n)
+                method, kwargs = handle.encode_llm_pixels, {"dtype": llm, "num_patches": n, "deadline": deadline}
+            else:
+                method, kwargs = handle.encode_pixels, {"pooling": pooling, "num_patches": n, "deadline": deadline}
+            return lambda: await_cancelling(call_as_new_request(method, arrays[s:e], **kwargs))
 
-        self._telemetry.count("encoder_requests", len(parts))
         if len(parts) == 1:
+            self._telemetry.count("encoder_requests")
             return await self._retrying(call(*parts[0]))
-        results = await asyncio.gather(*(self._retrying(call(s, e)) for s, e in parts))
+        # At most `ingress_packs_in_flight` packs of one request are with the encoder at once, in order: a
+        # request queued behind a large one waits for that many packs, not all of them; and when the request
+        # is given up (deadline, disconnect, a failed pack) its packs not yet sent are never sent.
+        window = asyncio.Semaphore(self.args.ingress_packs_in_flight)
+
+        async def pack(s: int, e: int) -> list:
+            async with window:
+                self._telemetry.count("encoder_requests")
+                return await self._retrying(call(s, e))
+
+        results = await gather_or_cancel(pack(s, e) for s, e in parts)
         return [v for part in results for v in part]
 
     async def _run_merged(self, calls: list[Call]) -> list[list[np.ndarray]]:
@@ -181,8 +211,11 @@ class EncoderClient:
         async def run(mode: tuple[str, str | None], members: list[int]) -> None:
             arrays = [x for i in members for x in calls[i].arrays]
             counts = [n for i in members for n in calls[i].counts]
+            deadlines = [calls[i].deadline for i in members]
+            # the merged call is wanted until its last caller's deadline
+            deadline = None if None in deadlines else max(deadlines)
             self._telemetry.metrics.merged.observe(len(arrays))
-            vectors = await self._send(arrays, counts, *mode)
+            vectors = await self._send(arrays, counts, *mode, deadline)
             pos = 0
             for i in members:
                 out[i] = vectors[pos : pos + len(calls[i].arrays)]

@@ -17,8 +17,10 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from encoder.errors import (
     ConfigError,
+    DecodeTimeoutError,
     EncoderError,
     ImageDecodeError,
+    ImageTooComplexError,
     ImageTooLargeError,
     InvalidArgumentError,
     InvalidImageError,
@@ -65,6 +67,8 @@ class ErrorCode(Enum):
     REQUEST_TIMEOUT = ("request_timeout", 408, _INVALID, TIMED_OUT)
     # -- over a limit (413), of a kind not read (415), against the schema (422) --------------------------------
     IMAGE_TOO_LARGE = ("image_too_large", 413, _INVALID, CLIENT_ERROR)
+    IMAGE_TOO_COMPLEX = ("image_too_complex", 413, _INVALID, CLIENT_ERROR)  # structure over a limit (JPEG scans...)
+    IMAGE_DECODE_TIMEOUT = ("image_decode_timeout", 413, _INVALID, CLIENT_ERROR)  # its decode overran the deadline
     TOO_MANY_IMAGES = ("too_many_images", 413, _INVALID, CLIENT_ERROR)
     TOO_MANY_PATCHES = ("too_many_patches", 413, _INVALID, CLIENT_ERROR)
     REQUEST_TOO_LARGE = ("request_too_large", 413, _INVALID, CLIENT_ERROR)
@@ -140,6 +144,10 @@ def classify(exc: BaseException) -> Classified:
     exc = root_cause(exc)
     if isinstance(exc, RequestError):
         return Classified(exc.error, exc.param)
+    if isinstance(exc, DecodeTimeoutError):
+        return Classified(ErrorCode.IMAGE_DECODE_TIMEOUT, "input")
+    if isinstance(exc, ImageTooComplexError):
+        return Classified(ErrorCode.IMAGE_TOO_COMPLEX, "input")
     if isinstance(exc, ImageTooLargeError):
         return Classified(ErrorCode.IMAGE_TOO_LARGE, "input")
     if isinstance(exc, ImageDecodeError | InvalidImageError):

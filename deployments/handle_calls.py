@@ -1,15 +1,17 @@
 """What the ingress's Python handle methods do (`VisionIngress.embed`, `embed_llm` delegate here).
 
 Same path as HTTP without the HTTP parts: admission (a `BackPressureError` at once when this replica is
-full), the images (`IngressDecoder`) and the encoder call (`EncoderClient`) under the request's time limit
-(`TimeoutError`). Bad inputs raise the replica's or the decoder's own `encoder.EncoderError`, never Ray's
-wrapper; the per-request limits (images, patches) are HTTP's.
+full: requests, bytes of inputs or patches, `limits.Admission`), the images (`IngressDecoder`) and the
+encoder call (`EncoderClient`) under the request's time limit (`TimeoutError`). Bad inputs raise the
+replica's or the decoder's own `encoder.EncoderError`, never Ray's wrapper; the per-request limits (images,
+patches) are HTTP's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 
 from encoder.api import check_pooling
 from encoder.errors import EncoderError
@@ -18,9 +20,20 @@ from .config import AppArgs
 from .decoding import IngressDecoder
 from .encoder_calls import EncoderClient
 from .errors import CLIENT_ERROR, OK, classify, root_cause
-from .limits import Admission
+from .limits import Admission, Ticket
 from .llm_outputs import check_dtype
 from .metrics import IngressTelemetry
+
+
+def _nbytes(x) -> int:
+    """What an input holds in this process (encoded bytes, text, array pixels; a PIL image's pixels)."""
+    if isinstance(x, bytes | bytearray | memoryview | str):
+        return len(x)
+    nbytes = getattr(x, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    size = getattr(x, "size", None)
+    return size[0] * size[1] * 4 if isinstance(size, tuple) and len(size) == 2 else 0
 
 
 class HandleCalls:
@@ -43,11 +56,11 @@ class HandleCalls:
         telemetry = self._telemetry
         if not isinstance(images, list | tuple):
             images = [images]
-        if not self._admission.try_enter():
-            telemetry.request("handle", "overloaded", len(images), 0, time.perf_counter() - started)
-            raise self._admission.overloaded(self.args.retry_after_s)
+        admission, ticket = self._admission, Ticket()
         outcome, n_images, patches = CLIENT_ERROR, len(images), 0
         try:
+            admission.reserve_bytes(ticket, sum(_nbytes(x) for x in images))
+            admission.enter(ticket)
             if pooling is not None:
                 check_pooling(pooling)
             if llm is not None:
@@ -59,9 +72,11 @@ class HandleCalls:
                 info = await self._client.info()
                 pooling = pooling or info["default_pooling"]
                 decode_at = time.perf_counter()
-                arrays = await self._decoder.prepare(list(images), info["preprocess_config"], "images")
+                reserve = partial(admission.reserve_patches, ticket)
+                arrays = await self._decoder.prepare(list(images), info["preprocess_config"], "images", None, reserve)
                 encode_at = time.perf_counter()
-                vectors, patches = await self._client.encode(arrays, pooling, llm)
+                deadline = time.time() + self.args.request_timeout_s - (time.perf_counter() - started)
+                vectors, patches = await self._client.encode(arrays, pooling, llm, deadline)
             outcome = OK
             done = time.perf_counter()
             telemetry.timings["handle"].add(total=done - started, decode=encode_at - decode_at, encode=done - encode_at)
@@ -72,5 +87,5 @@ class HandleCalls:
             outcome = classify(e).error.outcome
             raise
         finally:
-            self._admission.leave()
+            admission.leave(ticket)
             telemetry.request("handle", outcome, n_images, patches, time.perf_counter() - started)

@@ -1,10 +1,12 @@
 """What the ingress's HTTP routes do (`VisionIngress` binds them to `deployments.openai_api.api`).
 
-`POST /v1/embeddings`: API key (401), admission (429 at once when this replica has `inflight_limit`
-requests in flight), Content-Type (415) and body size (413), JSON and schema (400 / 422), the model name
-(404), image count (413), pooling and dimensions (400), then the images (`IngressDecoder`: 400 / 413 /
-415) and the encoder call (`EncoderClient`), all under the request's time limit (504; 408 while the body
-was still arriving). Every error is an OpenAI error object (`openai_api.error_response`).
+`POST /v1/embeddings`: API key (401), Content-Type (415), the body (`limits.read_body`: size 413, its own
+deadline 408) with its bytes and the headers' held against the replica's byte budget, admission once it has
+arrived (`limits.Admission`: 429 at once over `inflight_limit` requests, `max_inflight_bytes` or, once the
+image headers are read, `max_inflight_patches`), JSON and schema (400 / 422), the model name (404), image
+count (413), pooling and dimensions (400), then the images (`IngressDecoder`: 400 / 413 / 415) and the
+encoder call (`EncoderClient`), all under the request's time limit (504; 408 while the body was arriving).
+Every error is an OpenAI error object (`openai_api.error_response`).
 `GET /v1/models`, `GET /health` (`Readiness`).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -21,7 +24,8 @@ from .config import AppArgs
 from .decoding import IngressDecoder
 from .encoder_calls import EncoderClient
 from .errors import ErrorCode, RequestError, classify
-from .limits import Admission, check_content_type, read_body
+from .limits import Admission, Ticket, check_content_type, header_bytes, read_body
+from .memory import MemoryTrimmer
 from .metrics import IngressTelemetry
 from .openai_api import EmbeddingRequest, embeddings_body, error_response, parse_embedding_request
 from .readiness import Readiness
@@ -63,6 +67,7 @@ class HttpRoutes:
         self._model_name = args.model_name
         self._created = int(time.time())
         self.readiness = Readiness(client.info)
+        self._trimmer = MemoryTrimmer(pool)
 
     def _error(self, exc: BaseException) -> tuple[Response, str]:
         """The error answer and its metrics outcome."""
@@ -78,17 +83,22 @@ class HttpRoutes:
         except RequestError as e:
             telemetry.request("http", "unauthorized", 0, 0, time.perf_counter() - started)
             return self._error(e)[0]
-        if not self._admission.try_enter():
-            telemetry.request("http", "overloaded", 0, 0, time.perf_counter() - started)
-            return self._error(self._admission.overloaded(self.args.retry_after_s))[0]
+        admission, ticket = self._admission, Ticket()
         n_images, patches = 0, 0
         reading = True
         timer = asyncio.timeout(self.args.request_timeout_s)
         try:
             async with timer:
+                # bytes first (headers, then the body as it arrives); the request slot only once the body is
+                # here, so a slow body holds bytes it sent, never a slot (issue 17)
+                admission.reserve_bytes(ticket, header_bytes(request))
                 check_content_type(request.headers.get("content-type"))
-                body = await read_body(request, self.args.max_request_bytes)
+                body = await read_body(
+                    request, self.args.max_request_bytes, partial(admission.reserve_bytes, ticket),
+                    self.args.body_timeout_s, self.args.body_min_rate,
+                )  # fmt: skip
                 reading = False
+                admission.enter(ticket)
                 if len(body) > _PARSE_INLINE_BYTES:
                     parsed = await asyncio.get_running_loop().run_in_executor(self._pool, parse_embedding_request, body)
                 else:
@@ -96,7 +106,7 @@ class HttpRoutes:
                 del body
                 inputs = [parsed.input] if isinstance(parsed.input, str) else parsed.input
                 n_images = len(inputs)
-                content, patches = await self._embeddings(parsed, inputs, started)
+                content, patches = await self._embeddings(parsed, inputs, started, ticket)
             telemetry.request("http", "ok", n_images, patches, time.perf_counter() - started)
             return Response(content=content, media_type="application/json")
         except Exception as e:
@@ -110,9 +120,13 @@ class HttpRoutes:
             telemetry.request("http", outcome, n_images, patches, time.perf_counter() - started)
             return response
         finally:
-            self._admission.leave()
+            held = ticket.bytes
+            admission.leave(ticket)
+            self._trimmer.trim_after(held)
 
-    async def _embeddings(self, body: EmbeddingRequest, inputs: list[str], started: float) -> tuple[bytes, int]:
+    async def _embeddings(
+        self, body: EmbeddingRequest, inputs: list[str], started: float, ticket: Ticket
+    ) -> tuple[bytes, int]:
         a = self.args
         if body.model is not None and body.model != self._model_name:
             raise RequestError(
@@ -137,13 +151,15 @@ class HttpRoutes:
                 ErrorCode.INVALID_DIMENSIONS, "dimensions",
             )  # fmt: skip
         decode_at = time.perf_counter()
-        arrays = await self._decoder.prepare(inputs, info["preprocess_config"], "input", a.max_request_patches)
+        reserve = partial(self._admission.reserve_patches, ticket)
+        arrays = await self._decoder.prepare(inputs, info["preprocess_config"], "input", a.max_request_patches, reserve)
         encode_at = time.perf_counter()
         # pooling none: the LLM-ready outputs (tokens, DeepStack, patch grid), cast on the replica to the
         # base64 element type (a bfloat16 answer crosses from the replica at half the bytes)
         dtype = body.embedding_dtype
         llm = dtype if pooling == "none" else None
-        vectors, patches = await self._client.encode(arrays, pooling, llm)
+        deadline = time.time() + a.request_timeout_s - (time.perf_counter() - started)
+        vectors, patches = await self._client.encode(arrays, pooling, llm, deadline)
         answer_at = time.perf_counter()
         del arrays
         args = (vectors, body.encoding_format, self._model_name, patches, dtype)
@@ -174,5 +190,7 @@ class HttpRoutes:
         """200 once every encoder replica of this application is running (constructed = graphs captured).
         Open without the API key (load balancers probe it); it reveals the model name and replica states."""
         ready, detail = await self.readiness()
+        if ready:
+            self._decoder.warm((await self._client.info())["preprocess_config"])
         status = {"status": "ok" if ready else "starting", "detail": detail, "model": self._model_name}
         return JSONResponse(status, status_code=200 if ready else 503)

@@ -14,6 +14,7 @@
 # No `from __future__ import annotations` here: FastAPI must see the request class itself in the route
 # signatures of the Serve ingress class.
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -55,10 +56,13 @@ class VisionIngress:
         harden_pillow(a.max_image_pixels)
         self._pool = ThreadPoolExecutor(a.decode_threads, thread_name_prefix="decode")
         self.telemetry = IngressTelemetry()
-        self._admission = Admission(a.inflight_limit)
+        self._admission = Admission(a.inflight_limit, a.max_inflight_bytes, a.max_inflight_patches, a.retry_after_s)
         auth, urls = ApiKeyAuth.from_args(a), UrlFetcher.from_args(a)
         self._client = EncoderClient(encoder, a, self.telemetry)
-        decoder = IngressDecoder(self._pool, urls, a.max_image_bytes, self.telemetry.timings["inline_decode"])
+        self._decoder = decoder = IngressDecoder(
+            self._pool, urls, a.max_image_bytes, self.telemetry.timings["inline_decode"],
+            a.decode_processes, a.decode_timeout_s,
+        )  # fmt: skip
         self._http = HttpRoutes(a, self._client, decoder, self._admission, auth, self.telemetry, self._pool)
         self._handle = HandleCalls(a, self._client, decoder, self._admission, self.telemetry)
         logger.info(
@@ -92,19 +96,21 @@ class VisionIngress:
 
     def ingress_stats(self) -> dict:
         """Counters of this ingress replica: calls through the merger, merged batches, encoder requests and
-        retries, rejections, timeouts, errors; requests in flight (now, peak, limit), resident memory and the
-        medians of the last requests' phases."""
+        retries, rejections, timeouts, errors; what is in flight (requests now, peak, limit; bytes; patches),
+        resident memory and pid, the decode processes' pids and the medians of the last requests' phases."""
         snapshot = self.telemetry.snapshot()
         timings = snapshot.pop("timings_ms")
-        return snapshot | {
-            "rejected_overload": self._admission.rejected,
-            "inflight": self._admission.inflight,
-            "peak_inflight": self._admission.peak,
-            "inflight_limit": self._admission.limit,
-            "rss_bytes": rss_bytes(),
-            "replica_id": serve.get_replica_context().replica_id.unique_id,
-            "timings_ms": timings,
-        }
+        return (
+            snapshot
+            | self._admission.snapshot()
+            | {
+                "rss_bytes": rss_bytes(),
+                "pid": os.getpid(),
+                "decode_pids": self._decoder.pids(),
+                "replica_id": serve.get_replica_context().replica_id.unique_id,
+                "timings_ms": timings,
+            }
+        )
 
     # -- HTTP ------------------------------------------------------------------------------------------------
     @api.post("/v1/embeddings", openapi_extra=_OPENAPI_BODY)
@@ -129,3 +135,6 @@ class VisionIngress:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+        decoder = getattr(self, "_decoder", None)
+        if decoder is not None:
+            decoder.close()

@@ -119,6 +119,7 @@ class Opened:
 
     image: Any  # a lazily opened PIL image (nothing decoded yet), a PIL image or a uint8 array
     patches: int
+    data: bytes | None = None  # the encoded bytes of an encoded input (what a decode process is sent)
 
 
 def _allowed(pp: PreprocessConfig) -> list[str]:
@@ -187,7 +188,7 @@ def open_input(x: Any, pp: PreprocessConfig, max_image_bytes: int | None = None)
         if max_image_bytes is not None and len(data) > max_image_bytes:
             raise image_too_large(len(data), max_image_bytes)
         img = open_image_bytes(data, pp, media)
-        return Opened(img, num_patches_for(img.height, img.width, pp))
+        return Opened(img, num_patches_for(img.height, img.width, pp), data)
     if isinstance(x, Image.Image):
         check_image_size(x.width, x.height, pp)
         return Opened(x, num_patches_for(x.height, x.width, pp))

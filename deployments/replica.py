@@ -82,19 +82,23 @@ class EncoderReplica:
         )  # fmt: skip
 
     # -- the request methods -----------------------------------------------------------------------------
-    async def encode_pixels(self, pixels, *, pooling: str = "mean", num_patches: int | None = None) -> list[np.ndarray]:
+    async def encode_pixels(
+        self, pixels, *, pooling: str = "mean", num_patches: int | None = None, deadline: float | None = None
+    ) -> list[np.ndarray]:
         """Encode resized uint8 images ([H, W, 3], sides multiples of patch*merge: `resize_image` output).
 
         Returns one float32 array per image: [out_dim] for `pooling="mean"`, [tokens, out_dim] for
         `"none"`. `num_patches` (total patches of the request) is what routers read; when given it must
-        match the pixels.
+        match the pixels. `deadline` (`time.time()`, the caller's request deadline): the work is dropped,
+        with `TimeoutError`, if it has not started by then (`replica_pipeline.DevicePipeline`).
         """
         entered = time.perf_counter()
         check_pooling(pooling)
-        return await self._encode(Work(*check_pixels(pixels, self.pp), pooling), num_patches, entered)
+        work = Work(*check_pixels(pixels, self.pp), pooling, deadline=deadline)
+        return await self._encode(work, num_patches, entered)
 
     async def encode_llm_pixels(
-        self, pixels, *, dtype: str = "float32", num_patches: int | None = None
+        self, pixels, *, dtype: str = "float32", num_patches: int | None = None, deadline: float | None = None
     ) -> list[WireLLM]:
         """The LLM-ready outputs of resized uint8 images (as `encode_pixels`, same batches and device thread):
         per image `(tokens [n, out_dim], [DeepStack layer [n, out_dim], ...], (t, h, w))`, the arrays in the
@@ -102,7 +106,8 @@ class EncoderReplica:
         converted in the results thread. `[]` DeepStack layers for towers without them."""
         entered = time.perf_counter()
         check_dtype(dtype)
-        return await self._encode(Work(*check_pixels(pixels, self.pp), "none", dtype), num_patches, entered)
+        work = Work(*check_pixels(pixels, self.pp), "none", dtype, deadline=deadline)
+        return await self._encode(work, num_patches, entered)
 
     async def _encode(self, work: Work, num_patches: int | None, entered: float) -> list:
         if num_patches is not None and int(num_patches) != work.patches:

@@ -44,11 +44,26 @@ class Work:
     counts: list[int]  # patches per image
     pooling: str
     llm: str | None = None  # LLM-ready outputs in this wire dtype (`deployments.llm_outputs`) instead of pooling
+    deadline: float | None = None  # time.time() of the caller's deadline: not started by then, it is dropped
     queued_at: float = field(default_factory=time.perf_counter)
 
     @property
     def patches(self) -> int:
         return sum(self.counts)
+
+
+# Wall clocks of the ingress and encoder hosts may differ a little: the encoder drops work only this long
+# after its deadline (the ingress has cancelled it by then anyway; this is the backstop for a lost cancel
+# or a caller that died).
+_DEADLINE_GRACE_S = 1.0
+
+
+def _expired(work: Work) -> bool:
+    return work.deadline is not None and time.time() > work.deadline + _DEADLINE_GRACE_S
+
+
+def _expired_error(work: Work) -> TimeoutError:
+    return TimeoutError(f"the request's deadline passed {time.time() - work.deadline:.1f}s ago; dropped unrun")
 
 
 def check_pixels(pixels, pp: PreprocessConfig) -> tuple[list[np.ndarray], list[int]]:
@@ -128,7 +143,7 @@ class DevicePipeline:
         self._fixed_cost = fixed_cost
         if batcher == "continuous":
             keep = self._keep if fixed_cost else None
-            self._submit = ContinuousBatcher(self._run_batch, self._fits, pipeline_depth, keep=keep)
+            self._submit = ContinuousBatcher(self._run_batch, self._fits, pipeline_depth, keep=keep, expired=_expired)
         else:
             # Batch "size" in image slots: max(patches scaled so the patch limit equals the image limit,
             # images). One number enforces both limits and stays <= max_ongoing_requests.
@@ -165,6 +180,8 @@ class DevicePipeline:
         self._queued_patches += total
         self.metrics.queue_depth.set(sum(self._queued.values()))
         try:
+            if _expired(work):
+                raise _expired_error(work)
             if not self._fits(total, images):  # bigger than one batch: alone (the engine splits it)
                 return (await self._run_batch([work]))[0]
             out = await self._submit(work)
@@ -197,8 +214,17 @@ class DevicePipeline:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
-            finish, launch_s = await loop.run_in_executor(self._device_thread, self._launch, works)
-            results = await loop.run_in_executor(self._results_thread, finish)
+            launched = self._device_thread.submit(self._launch, works)
+            try:
+                finish, launch_s = await asyncio.wrap_future(launched)
+            except asyncio.CancelledError:
+                # the callers are gone (deadline, disconnect): a batch still queued for the device thread is
+                # dropped; one already launched has its outputs collected for nobody (the device's work and
+                # buffers are released in order, as for any batch)
+                if not launched.cancelled():
+                    launched.add_done_callback(self._collect_for_nobody)
+                raise
+            results = await asyncio.shield(loop.run_in_executor(self._results_thread, finish))
         except EncoderError:
             raise
         except Exception as e:
@@ -223,6 +249,10 @@ class DevicePipeline:
             stats=self.engine.stats(),
         )
         return results
+
+    def _collect_for_nobody(self, launched) -> None:
+        if not launched.cancelled() and launched.exception() is None:
+            self._results_thread.submit(launched.result()[0])
 
     @torch.inference_mode()
     def _launch(self, works: list[Work]):

@@ -1,9 +1,9 @@
 """Overload, time limits and graceful shutdown on CPU Ray (issue 6, acceptance 3; build items 3 and 7).
 
 One encoder replica that takes 2 requests at once (`max_ongoing_requests`) with 2 more queued at the
-ingress's handle (`max_queued_requests`), an ingress that admits 5 requests at once, and a 6 s request
-time limit. A fault-injection hook holds the replica's device thread until the test releases it, so
-the test controls exactly what is in flight.
+ingress's handle (`max_queued_requests`), an ingress that admits 5 requests at once and holds 8 requests'
+bytes, and a 6 s request time limit. A fault-injection hook holds the replica's device thread until the
+test releases it, so the test controls exactly what is in flight.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ pytestmark = pytest.mark.slow
 
 APP = "overload"
 TIMEOUT_S = 6.0
+IMAGE = encode(random_image("RGB", 64, 80, 7), "PNG")
+# the request below with its headers, near enough: 8 of them fill the ingress's byte budget
+REQUEST_BYTES = len(b'{"input": ["data:image/png;base64,"]}') + len(base64.b64encode(IMAGE)) + 256
 ARGS = {
     "model": "tiny",
     "num_replicas": 1,
@@ -35,6 +38,7 @@ ARGS = {
     "max_queued_requests": 2,
     "ingress_batch_size": 0,
     "ingress_max_inflight_requests": 5,
+    "max_inflight_bytes": 8 * REQUEST_BYTES,
     "request_timeout_s": TIMEOUT_S,
     "retry_after_s": 2,
     "enable_fault_injection": True,
@@ -54,8 +58,7 @@ def encoder_handle(app):
 
 @pytest.fixture(scope="module")
 def image():
-    data = encode(random_image("RGB", 64, 80, 7), "PNG")
-    return data, encoder.load("tiny").encode([data], pooling="mean")[0].numpy()
+    return IMAGE, encoder.load("tiny").encode([IMAGE], pooling="mean")[0].numpy()
 
 
 def body(data: bytes) -> bytes:
@@ -68,13 +71,29 @@ def post(base_url: str, content) -> httpx.Response:
         return c.post("/v1/embeddings", content=content, headers={"Content-Type": "application/json"})
 
 
+def post_with_length(base_url: str, content, length: int) -> httpx.Response:
+    headers = {"Content-Type": "application/json", "Content-Length": str(length)}
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        return c.post("/v1/embeddings", content=content, headers=headers)
+
+
+def ingress_stats(app) -> dict:
+    return app.handle.ingress_stats.remote().result(timeout_s=30)
+
+
 def inflight(app) -> int:
-    return app.handle.ingress_stats.remote().result(timeout_s=30)["inflight"]
+    return ingress_stats(app)["inflight"]
 
 
-def slow_body(data: bytes, go: threading.Event):
-    """A request body whose second half is sent only after `go` is set (a slow client upload)."""
+def padded_body(data: bytes, size: int) -> bytes:
+    """`body(data)` padded to `size` bytes with an ignored field."""
     raw = body(data)
+    return raw[:-1] + b', "user": "' + b"x" * (size - len(raw) - 12) + b'"}'
+
+
+def slow_body(data: bytes, go: threading.Event, size: int | None = None):
+    """A request body whose second half is sent only after `go` is set (a slow client upload)."""
+    raw = body(data) if size is None else padded_body(data, size)
     yield raw[: len(raw) // 2]
     go.wait(timeout=60)
     yield raw[len(raw) // 2 :]
@@ -131,9 +150,15 @@ def test_overload_is_rejected_fast_and_held_requests_complete(app, encoder_handl
                 assert_overloaded(r, time.perf_counter() - started, 503)
             after = app.handle.ingress_stats.remote().result(timeout_s=30)
             assert after["encoder_backpressure"] - stats["encoder_backpressure"] == 8
-            # A fifth request inside the ingress (a slow upload): the ingress is at its limit, 429 at once.
-            slow = pool.submit(post, app.base_url, slow_body(data, go))
-            wait_for(lambda: inflight(app) == 5, what="the slow upload to be admitted")
+            # A slow upload declaring 3.5 requests' bytes holds them while it arrives, but no request slot
+            # (issue 17): the ingress is at its byte budget, so the next requests get 429 at once.
+            size = int(3.5 * REQUEST_BYTES)
+            slow = pool.submit(post_with_length, app.base_url, slow_body(data, go, size), size)
+            wait_for(
+                lambda: ingress_stats(app)["inflight_bytes"] >= 4 * len(body(data)) + size,
+                what="the slow upload's bytes held",
+            )
+            assert inflight(app) == 4
             for _ in range(8):
                 started = time.perf_counter()
                 r = c.post("/v1/embeddings", content=body(data), headers={"Content-Type": "application/json"})
@@ -172,7 +197,9 @@ def test_time_limits_answer_504_and_408(app, encoder_handle, image):
             assert TIMEOUT_S - 0.5 <= elapsed <= TIMEOUT_S + 10
             # Both handlers answered (the slow one 408 at its own deadline); the client reads that answer
             # only once it has sent its whole body.
-            wait_for(lambda: inflight(app) == 0, what="the slow upload's deadline")
+            # (a body still arriving holds bytes, not a request slot: the ingress holds no bytes once both
+            # handlers answered)
+            wait_for(lambda: ingress_stats(app)["inflight_bytes"] == 0, what="the slow upload's deadline")
             go.set()
             r = never_finished.result(timeout=60)
             assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
