@@ -122,6 +122,18 @@ def resolve_part_rows(cfg: JobConfig) -> int:
     return max(1, 1_000 // (1 + deepstack_layers(config_for(cfg.model))))
 
 
+def make_output_dir(out: Path) -> None:
+    """Create the output directory (JobError naming it, and why, when it cannot be created or written)."""
+    if out.exists() and not out.is_dir():
+        raise JobError(f"--output {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JobError(f"--output {out}: cannot create the directory: {e.strerror or e}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise JobError(f"--output {out}: the directory is not writable")
+
+
 def run_job(cfg: JobConfig) -> JobSummary:
     """Run (or resume) a batch job; returns its summary (also printed)."""
     try:  # a bad model name or pooling fails here, before anything starts
@@ -147,7 +159,7 @@ def run_job(cfg: JobConfig) -> JobSummary:
         raise JobError(f"no id column {cfg.id_column!r} in the input; columns: {', '.join(schemas[0].names)}")
     part_rows = resolve_part_rows(cfg)
     parts = plan_parts(files, part_rows)
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out)
     with locked(out):
         manifest = Manifest.open(out, job_params(cfg, files, part_rows))
         done = manifest.done()
