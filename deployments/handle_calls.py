@@ -1,15 +1,17 @@
 """What the ingress's Python handle methods do (`VisionIngress.embed`, `embed_llm` delegate here).
 
 Same path as HTTP without the HTTP parts: admission (a `BackPressureError` at once when this replica is
-full), the images (`IngressDecoder`) and the encoder call (`EncoderClient`) under the request's time limit
-(`TimeoutError`). Bad inputs raise the replica's or the decoder's own `encoder.EncoderError`, never Ray's
-wrapper; the per-request limits (images, patches) are HTTP's.
+full, or 503 while the service shuts down), the images (`IngressDecoder`) and the encoder call
+(`EncoderClient`) under the request's time limit (`TimeoutError`). Bad inputs raise the replica's or the
+decoder's own `encoder.EncoderError`, never Ray's wrapper; the per-request limits (images, patches) are HTTP's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+
+from ray.serve.exceptions import BackPressureError
 
 from encoder.api import check_pooling
 from encoder.errors import EncoderError
@@ -21,6 +23,7 @@ from .errors import CLIENT_ERROR, OK, classify, root_cause
 from .limits import Admission
 from .llm_outputs import check_dtype
 from .metrics import IngressTelemetry
+from .shutdown import DrainWatch
 
 
 class HandleCalls:
@@ -33,9 +36,10 @@ class HandleCalls:
         decoder: IngressDecoder,
         admission: Admission,
         telemetry: IngressTelemetry,
+        drain: DrainWatch | None = None,
     ):
         self.args, self._client, self._decoder = args, client, decoder
-        self._admission, self._telemetry = admission, telemetry
+        self._admission, self._telemetry, self._drain = admission, telemetry, drain
 
     async def __call__(self, images, pooling: str | None, llm: str | None) -> list:
         """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`."""
@@ -43,6 +47,9 @@ class HandleCalls:
         telemetry = self._telemetry
         if not isinstance(images, list | tuple):
             images = [images]
+        if self._drain is not None and not self._drain.admitting():  # shutting down: 503, come back elsewhere
+            telemetry.request("handle", "overloaded", len(images), 0, time.perf_counter() - started)
+            raise BackPressureError(self._admission.inflight, 0, status_code=503, retry_after_s=self.args.retry_after_s)
         if not self._admission.try_enter():
             telemetry.request("handle", "overloaded", len(images), 0, time.perf_counter() - started)
             raise self._admission.overloaded(self.args.retry_after_s)
