@@ -49,6 +49,7 @@ from .model_facts import (
 )
 from .options import JobConfig
 from .pipeline import embed_dataset
+from .reaper import start_reaper
 
 # Test hook: exit abruptly (no cleanup) right after the k-th part of this run is renamed into place
 # and before the manifest records it, the worst moment for a crash.
@@ -189,6 +190,8 @@ class PartsRunner:
 
         cfg = self.cfg
         if not ray.is_initialized():
+            if cfg.address is None:  # a local cluster, started by this process: ended with it, even on SIGKILL
+                start_reaper()
             ray.init(address=cfg.address)
         gpus = gpus_in_cluster() if cfg.num_gpus is None else cfg.num_gpus
         batch_size = cfg.batch_size
