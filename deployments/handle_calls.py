@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ray.serve.exceptions import BackPressureError
-
 from encoder.api import check_pooling
 from encoder.errors import EncoderError
 
@@ -23,7 +21,7 @@ from .errors import CLIENT_ERROR, OK, classify, root_cause
 from .limits import Admission
 from .llm_outputs import check_dtype
 from .metrics import IngressTelemetry
-from .shutdown import DrainWatch
+from .shutdown import DrainWatch, ShuttingDownError
 
 
 class HandleCalls:
@@ -49,7 +47,7 @@ class HandleCalls:
             images = [images]
         if self._drain is not None and not self._drain.admitting():  # shutting down: 503, come back elsewhere
             telemetry.request("handle", "overloaded", len(images), 0, time.perf_counter() - started)
-            raise BackPressureError(self._admission.inflight, 0, status_code=503, retry_after_s=self.args.retry_after_s)
+            raise ShuttingDownError(retry_after_s=self.args.retry_after_s)
         if not self._admission.try_enter():
             telemetry.request("handle", "overloaded", len(images), 0, time.perf_counter() - started)
             raise self._admission.overloaded(self.args.retry_after_s)

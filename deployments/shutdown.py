@@ -16,8 +16,9 @@ is asked to shut down:
    running ingress replica has reported, at most `drain_timeout(args)` (an admitted request ends within
    `request_timeout_s`, answered 504 at worst), then calls `serve.shutdown()`.
 
-Where it runs: `serve run deployments:app` / `deployments:build_app ...` (`build_app` installs SIGINT and
-SIGTERM handlers in the `serve run` process; a second signal skips the drain) and
+Where it runs: `serve run deployments:app` / `deployments:build_app ...` (`build_app` installs, in the
+`serve run` process, a SIGINT handler and an exit hook that SIGTERM reaches; a second signal skips the
+drain) and
 `python -m deployments.shutdown` (drain, then `serve.shutdown()`: the graceful `serve shutdown`). A
 `serve run config.yaml` process never imports this package, so its Ctrl-C is Serve's plain shutdown: run
 `python -m deployments.shutdown --address ...` first.
@@ -26,6 +27,7 @@ SIGTERM handlers in the `serve run` process; a second signal skips the drain) an
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import signal
 import sys
@@ -33,15 +35,30 @@ import threading
 import time
 
 import ray
+from ray.serve.exceptions import BackPressureError
 
 logger = logging.getLogger("ray.serve")
 
 SWITCH_NAME = "vision-drain"
 NAMESPACE = "vision"
 POLL_S = 0.5  # how often an ingress looks for the switch: the delay before /health says 503
-GRACE_S = 1.0  # admission continues this long after the switch is seen (requests already on their way)
+# Admission continues this long after the switch is seen, for requests already on their way: a request's
+# handler can start seconds after Serve received it when the ingress's event loop is starved (measured
+# 2.0 s on a loaded 2-CPU box, with a 64-image request decoding), and it must still be admitted then.
+GRACE_S = 5.0
 # what the switch-and-report round trips and Serve's own teardown add to the longest admitted request
 SHUTDOWN_MARGIN_S = 5.0
+
+
+class ShuttingDownError(BackPressureError):
+    """A handle call refused while the service drains (status 503, `retry_after_s`). The signature is
+    `BackPressureError`'s, so it survives pickling to the caller."""
+
+    def __init__(self, num_queued_requests=0, max_queued_requests=0, status_code=503, retry_after_s=None):
+        super().__init__(num_queued_requests, max_queued_requests, status_code, retry_after_s)
+
+    def __str__(self) -> str:
+        return "the service is shutting down; retry after retry_after_s (another instance may serve)"
 
 
 @ray.remote(num_cpus=0)
@@ -163,23 +180,49 @@ def in_serve_run() -> bool:
 
 
 def install_signal_drain(request_timeout_s: float) -> None:
-    """SIGINT / SIGTERM in `serve run`: drain, then raise KeyboardInterrupt, on which `serve run` calls
-    `serve.shutdown()` and exits (SIGTERM would otherwise end it without shutting Serve down)."""
-    state = {"signalled": False}
+    """Drain before `serve run` shuts Serve down, on SIGINT and on SIGTERM.
 
-    def on_signal(signum, frame):
-        if state["signalled"] or not ray.is_initialized():  # a second signal: stop now
-            raise KeyboardInterrupt
-        state["signalled"] = True
-        logger.warning("%s: draining before Serve shuts down", signal.Signals(signum).name)
+    SIGINT: our handler drains, then raises KeyboardInterrupt, on which `serve run` calls `serve.shutdown()`
+    and exits. SIGTERM cannot be handled the same way: `ray.init` (which `serve run` calls after building
+    the app) installs Ray's own SIGTERM handler, `sys.exit`, over any earlier one. So an exit hook drains
+    and shuts Serve down when the process is leaving with Serve still up: atexit hooks run last-registered
+    first, and Ray registers its shutdown hook when `ray` is imported, before this, so Ray is still
+    connected here. After SIGINT's drain (Serve already shut down) the hook does nothing."""
+    state = {"drained": False}
+
+    def drain_once(why: str) -> None:
+        state["drained"] = True
+        logger.warning("%s: draining before Serve shuts down", why)
         try:
             drain(drain_timeout(request_timeout_s))
         except Exception as e:  # noqa: BLE001 - a failed drain must not stop the shutdown itself
             logger.warning("drain failed (%s: %s); shutting down", type(e).__name__, e)
+
+    def on_sigint(signum, frame):
+        if state["drained"] or not ray.is_initialized():  # a second Ctrl-C, or nothing started: stop now
+            raise KeyboardInterrupt
+        drain_once("SIGINT")
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    def on_exit() -> None:
+        if state["drained"] or not ray.is_initialized():
+            return
+        from ray import serve
+
+        # Ray's C++ failure-signal handler (absl) saw the SIGTERM first, handed it on to Python, and left an
+        # alarm of 3 s that would kill the process mid-drain (measured): cancel it.
+        if hasattr(signal, "alarm"):
+            signal.alarm(0)
+        try:
+            if _ingress_replicas() == 0:  # Serve already shut down (or never ran our app)
+                return
+        except Exception:  # noqa: BLE001 - no Serve to drain
+            return
+        drain_once("exiting (SIGTERM)")
+        serve.shutdown()
+
+    signal.signal(signal.SIGINT, on_sigint)
+    atexit.register(on_exit)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,9 @@
 
 `serve run deployments:build_app model=tiny` runs as a subprocess on a free port with its own Ray. Eight
 client loops send one-image requests and one long request (many images) is in flight when the process gets
-SIGINT: every request sent before the signal is answered 200, requests after it get 200 (still on their way)
-or 503 `shutting_down` with Retry-After or a refused connection, and the process is gone within 40 s.
+SIGINT (as Ctrl-C sends it, to the process group) or SIGTERM: every request sent before the signal is
+answered 200, requests after it get 200 (still on their way) or 503 `shutting_down` with Retry-After or a
+refused connection, and the process is gone within 40 s.
 """
 
 from __future__ import annotations
@@ -59,8 +60,18 @@ def serve_run(tmp_path):
         log.close()
 
 
-def test_sigint_answers_everything_admitted_and_exits(serve_run):
+# SIGINT to the whole process group is what Ctrl-C in a terminal does (Ray's own processes block SIGINT);
+# SIGTERM to the process is what `kill PID` or a process manager does.
+SIGNALS = {
+    "SIGINT to the group (Ctrl-C)": (os.killpg, signal.SIGINT),
+    "SIGTERM to the process": (os.kill, signal.SIGTERM),
+}
+
+
+@pytest.mark.parametrize("how", list(SIGNALS))
+def test_a_signal_answers_everything_admitted_and_exits(serve_run, how):
     proc, base, log = serve_run
+    send, signum = SIGNALS[how]
 
     def healthy() -> bool:
         assert proc.poll() is None, log.read_text()[-3000:]
@@ -122,7 +133,7 @@ def test_sigint_answers_everything_admitted_and_exits(serve_run):
     assert long_thread.is_alive(), f"the long request ended before the signal: {[r for r in results if r[0] == 'long']}"
     signal_at = time.monotonic()
     signalled.set()
-    os.kill(proc.pid, signal.SIGINT)
+    send(proc.pid, signum)
     try:
         proc.wait(timeout=DOWN_WITHIN_S)
     except subprocess.TimeoutExpired:
@@ -139,4 +150,4 @@ def test_sigint_answers_everything_admitted_and_exits(serve_run):
     for who, o in after:  # after the signal: admitted in the grace, refused with Retry-After, or no listener
         if isinstance(o, tuple) and o[0] != 200:
             assert o[0] == 503 and o[1] is not None, (who, o)
-    print(f"down {down_after:.1f}s after SIGINT; {len(before)} requests before it, {len(after)} after")
+    print(f"down {down_after:.1f}s after {how}; {len(before)} requests before it, {len(after)} after")
