@@ -43,11 +43,9 @@ def _kind(mode: int) -> str:
 
 def read_image_file(path: Path, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> bytes:
     """The bytes of the regular file `path`, at most `max_bytes`; else ImageDecodeError / ImageTooLargeError
-    naming the path (a missing or unreadable file is an ImageDecodeError too)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except OSError as e:
-        raise ImageDecodeError(f"{path}: cannot open: {e.strerror or e}") from None
+    naming the path; a file that cannot be opened raises the OSError of `open` (FileNotFoundError, ...), which
+    names it too."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
