@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from .config import AppArgs
@@ -191,9 +191,8 @@ class HttpRoutes:
         refused = self._refused(request)
         if refused is not None:
             return refused
-        root = request.scope.get("root_path", "").rstrip("/")
-        html: HTMLResponse = get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=request.app.title)
-        return html
+        root = request.scope.get("root_path", "").rstrip("/")  # the app's route prefix
+        return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=request.app.title)
 
     def models(self, request: Request) -> Response:
         refused = self._refused(request)

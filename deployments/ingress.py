@@ -62,8 +62,9 @@ class VisionIngress:
         decoder = IngressDecoder(self._pool, urls, a.max_image_bytes, self.telemetry.timings["inline_decode"])
         replica_id = serve.get_replica_context().replica_id.unique_id
         self._drain = DrainWatch(replica_id, lambda: self._admission.inflight)
-        parts = (self._client, decoder, self._admission)
-        self._http = HttpRoutes(a, *parts, auth, self.telemetry, self._pool, self._drain)
+        self._http = HttpRoutes(
+            a, self._client, decoder, self._admission, auth, self.telemetry, self._pool, self._drain
+        )
         self._handle = HandleCalls(a, self._client, decoder, self._admission, self.telemetry, self._drain)
         logger.info(
             "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request",
