@@ -79,7 +79,7 @@ def test_a_signal_answers_everything_admitted_and_exits(serve_run, how):
 
     wait_for(healthy, timeout_s=300, interval_s=0.5, what="serve run's /health")
     small = {"input": [png_url(64, 1)]}
-    long_body = {"input": [png_url(448, i) for i in range(64)]}  # ~8 encoder batches on a CPU, several seconds
+    long_body = {"input": [png_url(448, i) for i in range(32)]}  # 4 encoder batches on a CPU: seconds, blocking others
     results: list[tuple[str, float, object]] = []  # (who, sent at, status or exception)
     lock = threading.Lock()
     signalled = threading.Event()

@@ -57,3 +57,32 @@ def test_drain_watch_admits_only_within_the_grace():
     finally:
         watch.stop()
     assert drain_timeout(60) > 60
+
+
+def test_a_burst_of_health_probes_costs_one_lookup(monkeypatch):
+    import asyncio
+
+    import deployments.readiness as readiness
+
+    calls = []
+
+    def fake_status():
+        calls.append("status")
+        return status(1)
+
+    monkeypatch.setattr(
+        readiness,
+        "serve",
+        SimpleNamespace(status=fake_status, get_replica_context=lambda: SimpleNamespace(app_name="v")),
+    )
+    monkeypatch.setattr(readiness, "live_replica_count", lambda app, dep: 1)
+
+    async def describe():
+        return {"graphs_captured": True}
+
+    async def burst():
+        probe = readiness.Readiness(describe, total=1)
+        return await asyncio.gather(*(probe() for _ in range(50)))
+
+    answers = asyncio.run(burst())
+    assert all(ready for ready, _ in answers) and calls == ["status"]
