@@ -11,6 +11,7 @@ from .config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from .ingress import VisionIngress
 from .ray_compat import check_ray
 from .replica import EncoderReplica
+from .shutdown import in_serve_run, install_signal_drain
 
 logger = logging.getLogger("ray.serve")
 
@@ -56,6 +57,8 @@ def build_app(args: dict | AppArgs | None = None):
         graceful_shutdown_wait_loop_s=a.graceful_shutdown_wait_loop_s,
         graceful_shutdown_timeout_s=a.graceful_shutdown_timeout_s,
     )
+    if in_serve_run():  # Ctrl-C / SIGTERM of `serve run`: drain first (Serve's shutdown drops in-flight requests)
+        install_signal_drain(a.request_timeout_s)
     logger.info(
         "vision app: model=%s, %d encoder replica(s) x %g GPU / %g CPU, %d ingress replica(s), router=%s",
         a.model, a.num_replicas, gpus, a.num_cpus, a.ingress_replicas, a.request_router_class or "default",

@@ -38,6 +38,8 @@ CLIENT_ERROR = "client_error"
 OVERLOADED = "overloaded"
 TIMED_OUT = "timeout"
 SERVER_ERROR = "server_error"
+# inside `ErrorCode` the name OVERLOADED is the member once it is defined: later rows use this alias
+_OVERLOADED_OUTCOME = OVERLOADED
 
 
 class ErrorCode(Enum):
@@ -79,7 +81,8 @@ class ErrorCode(Enum):
     # -- the service cannot take it now (429, 503) -------------------------------------------------------------
     RATE_LIMITED = ("overloaded", 429, _RATE, OVERLOADED)  # this ingress replica is at its in-flight limit
     OVERLOADED = ("overloaded", 503, _SERVER, OVERLOADED)  # a Serve queue is full
-    ENCODER_UNAVAILABLE = ("encoder_unavailable", 503, _SERVER, OVERLOADED)  # retries ran out
+    ENCODER_UNAVAILABLE = ("encoder_unavailable", 503, _SERVER, _OVERLOADED_OUTCOME)  # retries ran out
+    SHUTTING_DOWN = ("shutting_down", 503, _SERVER, _OVERLOADED_OUTCOME)  # draining (deployments.shutdown)
     # -- the service failed (500, 504) ---------------------------------------------------------------------------
     INTERNAL_ERROR = ("internal_error", 500, _SERVER, SERVER_ERROR)
     TIMEOUT = ("timeout", 504, _SERVER, TIMED_OUT)
@@ -91,6 +94,15 @@ class ErrorCode(Enum):
     def retry_after(self) -> bool:
         """Answers that tell the client when to come back (`Retry-After`)."""
         return self.status in (429, 503)
+
+
+ECHO_LIMIT = 100  # characters of a client's value repeated in an error message
+
+
+def shown(value: object, limit: int = ECHO_LIMIT) -> str:
+    """`repr` of a value a client sent, cut to `limit` characters + '…' (a 1 MB model name is not echoed)."""
+    text = value if isinstance(value, str) else str(value)
+    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def openai_type(status: int) -> str:

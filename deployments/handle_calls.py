@@ -1,10 +1,10 @@
 """What the ingress's Python handle methods do (`VisionIngress.embed`, `embed_llm` delegate here).
 
 Same path as HTTP without the HTTP parts: admission (a `BackPressureError` at once when this replica is
-full: requests, bytes of inputs or patches, `limits.Admission`), the images (`IngressDecoder`) and the
-encoder call (`EncoderClient`) under the request's time limit (`TimeoutError`). Bad inputs raise the
-replica's or the decoder's own `encoder.EncoderError`, never Ray's wrapper; the per-request limits (images,
-patches) are HTTP's.
+full: requests, bytes of inputs or patches, `limits.Admission`; 503 while the service shuts down), the images
+(`IngressDecoder`) and the encoder call (`EncoderClient`) under the request's time limit (`TimeoutError`).
+Bad inputs raise the replica's or the decoder's own `encoder.EncoderError`, never Ray's wrapper; the
+per-request limits (images, patches) are HTTP's.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .errors import CLIENT_ERROR, OK, classify, root_cause
 from .limits import Admission, Ticket
 from .llm_outputs import check_dtype
 from .metrics import IngressTelemetry
+from .shutdown import DrainWatch, ShuttingDownError
 
 
 def _nbytes(x) -> int:
@@ -46,9 +47,10 @@ class HandleCalls:
         decoder: IngressDecoder,
         admission: Admission,
         telemetry: IngressTelemetry,
+        drain: DrainWatch | None = None,
     ):
         self.args, self._client, self._decoder = args, client, decoder
-        self._admission, self._telemetry = admission, telemetry
+        self._admission, self._telemetry, self._drain = admission, telemetry, drain
 
     async def __call__(self, images, pooling: str | None, llm: str | None) -> list:
         """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`."""
@@ -56,6 +58,9 @@ class HandleCalls:
         telemetry = self._telemetry
         if not isinstance(images, list | tuple):
             images = [images]
+        if self._drain is not None and not self._drain.admitting():  # shutting down: 503, come back elsewhere
+            telemetry.request("handle", "overloaded", len(images), 0, time.perf_counter() - started)
+            raise ShuttingDownError(retry_after_s=self.args.retry_after_s)
         admission, ticket = self._admission, Ticket()
         outcome, n_images, patches = CLIENT_ERROR, len(images), 0
         try:

@@ -1,13 +1,15 @@
 """What the ingress's HTTP routes do (`VisionIngress` binds them to `deployments.openai_api.api`).
 
-`POST /v1/embeddings`: API key (401), Content-Type (415), the body (`limits.read_body`: size 413, its own
-deadline 408) with its bytes and the headers' held against the replica's byte budget, admission once it has
-arrived (`limits.Admission`: 429 at once over `inflight_limit` requests, `max_inflight_bytes` or, once the
-image headers are read, `max_inflight_patches`), JSON and schema (400 / 422), the model name (404), image
-count (413), pooling and dimensions (400), then the images (`IngressDecoder`: 400 / 413 / 415) and the
-encoder call (`EncoderClient`), all under the request's time limit (504; 408 while the body was arriving).
-Every error is an OpenAI error object (`openai_api.error_response`).
-`GET /v1/models`, `GET /health` (`Readiness`).
+`POST /v1/embeddings`: API key (401), drain (503 `shutting_down` with Retry-After while the service shuts down,
+`shutdown.DrainWatch`), Content-Type (415), the body (`limits.read_body`: size 413, its own deadline 408) with
+its bytes and the headers' held against the replica's byte budget, admission once it has arrived
+(`limits.Admission`: 429 at once over `inflight_limit` requests, `max_inflight_bytes` or, once the image
+headers are read, `max_inflight_patches`), JSON and schema (400 / 422), the model name (404), image count
+(413), pooling and dimensions (400), then the images (`IngressDecoder`: 400 / 413 / 415) and the encoder call
+(`EncoderClient`), all under the request's time limit (504; 408 while the body was arriving). Every error is
+an OpenAI error object (`openai_api.error_response`).
+`GET /v1/models`, `GET /health` (`Readiness`: 200 with `status` "ok" or "degraded" while an encoder replica
+can serve; 503 "starting", "unavailable" or "draining").
 """
 
 from __future__ import annotations
@@ -18,18 +20,21 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from fastapi import Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from .config import AppArgs
 from .decoding import IngressDecoder
 from .encoder_calls import EncoderClient
-from .errors import ErrorCode, RequestError, classify
+from .errors import ErrorCode, RequestError, classify, shown
 from .limits import Admission, Ticket, check_content_type, header_bytes, read_body
 from .memory import MemoryTrimmer
 from .metrics import IngressTelemetry
 from .openai_api import EmbeddingRequest, embeddings_body, error_response, parse_embedding_request
 from .readiness import Readiness
 from .security import ApiKeyAuth
+from .shutdown import DrainWatch
 
 # Bodies above this are parsed off the event loop.
 _PARSE_INLINE_BYTES = 256 * 1024
@@ -61,12 +66,15 @@ class HttpRoutes:
         auth: ApiKeyAuth,
         telemetry: IngressTelemetry,
         pool: ThreadPoolExecutor,
+        drain: DrainWatch | None = None,
     ):
         self.args, self._client, self._decoder, self._admission = args, client, decoder, admission
         self._auth, self._telemetry, self._pool = auth, telemetry, pool
         self._model_name = args.model_name
         self._created = int(time.time())
-        self.readiness = Readiness(client.info)
+        self._drain = drain
+        draining = (lambda: drain.draining) if drain is not None else (lambda: False)
+        self.readiness = Readiness(client.info, args.num_replicas, draining)
         self._trimmer = MemoryTrimmer(pool)
 
     def _error(self, exc: BaseException) -> tuple[Response, str]:
@@ -83,6 +91,9 @@ class HttpRoutes:
         except RequestError as e:
             telemetry.request("http", "unauthorized", 0, 0, time.perf_counter() - started)
             return self._error(e)[0]
+        if self._drain is not None and not self._drain.admitting():
+            telemetry.request("http", "overloaded", 0, 0, time.perf_counter() - started)
+            return self._error(RequestError("the service is shutting down", ErrorCode.SHUTTING_DOWN, None))[0]
         admission, ticket = self._admission, Ticket()
         n_images, patches = 0, 0
         reading = True
@@ -110,6 +121,10 @@ class HttpRoutes:
             telemetry.request("http", "ok", n_images, patches, time.perf_counter() - started)
             return Response(content=content, media_type="application/json")
         except Exception as e:
+            if isinstance(e, ClientDisconnect):  # gone before its body arrived (e.g. short of its Content-Length)
+                e = RequestError(
+                    "the client disconnected before its request body arrived", ErrorCode.INVALID_REQUEST, None
+                )
             if isinstance(e, TimeoutError) and timer.expired():
                 if reading:  # the client did not finish sending its body in time
                     e = RequestError(
@@ -130,7 +145,7 @@ class HttpRoutes:
         a = self.args
         if body.model is not None and body.model != self._model_name:
             raise RequestError(
-                f"model {body.model!r} is not served here; available: {self._model_name!r}",
+                f"model {shown(body.model)} is not served here; available: {self._model_name!r}",
                 ErrorCode.MODEL_NOT_FOUND, "model",
             )  # fmt: skip
         if len(inputs) > a.max_request_images:
@@ -174,11 +189,31 @@ class HttpRoutes:
         )  # fmt: skip
         return content, patches
 
-    def models(self, request: Request) -> Response:
+    def _refused(self, request: Request) -> Response | None:
+        """The 401 answer when an API key is set and `request` lacks it, else None."""
         try:
             self._auth.check(request.headers.get("authorization"))
         except RequestError as e:
             return self._error(e)[0]
+        return None
+
+    def openapi(self, request: Request) -> Response:
+        """The OpenAPI schema (behind the API key when one is set: it maps the whole surface)."""
+        return self._refused(request) or JSONResponse(request.app.openapi())
+
+    def docs(self, request: Request) -> Response:
+        """Swagger UI. With an API key set, the page itself needs the key, and so does the schema it loads
+        (a browser cannot send the header: use the schema with curl or a client that sets it)."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        root = request.scope.get("root_path", "").rstrip("/")  # the app's route prefix
+        return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=request.app.title)
+
+    def models(self, request: Request) -> Response:
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
         return JSONResponse(
             {
                 "object": "list",
@@ -187,10 +222,10 @@ class HttpRoutes:
         )
 
     async def health(self) -> JSONResponse:
-        """200 once every encoder replica of this application is running (constructed = graphs captured).
-        Open without the API key (load balancers probe it); it reveals the model name and replica states."""
+        """200 while at least one encoder replica can serve (`status` "ok", or "degraded" when some of the
+        configured replicas cannot), else 503 ("starting", "unavailable", "draining"). Open without the API
+        key (load balancers probe it); it reveals the model name and replica counts."""
         ready, detail = await self.readiness()
-        if ready:
+        if ready:  # start the decode processes before the first request needs them
             self._decoder.warm((await self._client.info())["preprocess_config"])
-        status = {"status": "ok" if ready else "starting", "detail": detail, "model": self._model_name}
-        return JSONResponse(status, status_code=200 if ready else 503)
+        return JSONResponse(detail | {"model": self._model_name}, status_code=200 if ready else 503)

@@ -35,6 +35,7 @@ from .metrics import IngressTelemetry, rss_bytes
 from .openai_api import EmbeddingRequest, api
 from .ray_compat import check_ray
 from .security import ApiKeyAuth, UrlFetcher
+from .shutdown import DrainWatch
 
 logger = logging.getLogger("ray.serve")
 _OPENAPI_BODY = {
@@ -63,8 +64,12 @@ class VisionIngress:
             self._pool, urls, a.max_image_bytes, self.telemetry.timings["inline_decode"],
             a.decode_processes, a.decode_timeout_s,
         )  # fmt: skip
-        self._http = HttpRoutes(a, self._client, decoder, self._admission, auth, self.telemetry, self._pool)
-        self._handle = HandleCalls(a, self._client, decoder, self._admission, self.telemetry)
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        # the drain waits for admitted requests and for bodies still arriving (they hold bytes, not a slot)
+        self._drain = DrainWatch(replica_id, lambda: self._admission.inflight + (self._admission.bytes > 0))
+        parts = (self._client, decoder, self._admission)
+        self._http = HttpRoutes(a, *parts, auth, self.telemetry, self._pool, self._drain)
+        self._handle = HandleCalls(a, *parts, self.telemetry, self._drain)
         logger.info(
             "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request",
             "required" if auth.enabled else "off",
@@ -121,17 +126,28 @@ class VisionIngress:
     async def models(self, request: Request) -> Response:
         return self._http.models(request)
 
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> Response:
+        return self._http.openapi(request)
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> Response:
+        return self._http.docs(request)
+
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """200 once every encoder replica of this application is running (constructed = graphs captured).
-        Open without the API key (load balancers probe it); it reveals the model name and replica states."""
+        """200 while at least one encoder replica can serve ("ok" / "degraded"), else 503. Open without the
+        API key (load balancers probe it); it reveals the model name and replica counts."""
         return await self._http.health()
 
-    async def readiness(self) -> tuple[bool, str]:
+    async def readiness(self) -> tuple[bool, dict]:
         return await self._http.readiness()
 
     def __del__(self):
         # Serve calls this after the replica drained its requests (graceful shutdown).
+        drain = getattr(self, "_drain", None)
+        if drain is not None:
+            drain.stop()
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -15,7 +15,7 @@ from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from starlette.requests import ClientDisconnect
 
-from .errors import ErrorCode, RequestError
+from .errors import ErrorCode, RequestError, shown
 
 
 def check_request_patches(total: int, limit: int) -> None:
@@ -37,7 +37,7 @@ def check_content_type(value: str | None) -> None:
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return
     raise RequestError(
-        f"Content-Type {media or value!r} is not supported; send application/json",
+        f"Content-Type {shown(media or value)} is not supported; send application/json",
         ErrorCode.UNSUPPORTED_CONTENT_TYPE,
         None,
     )
@@ -75,7 +75,7 @@ async def read_body(
         try:
             size = int(declared)
         except ValueError:
-            raise RequestError(f"invalid Content-Length {declared!r}", ErrorCode.INVALID_REQUEST, None) from None
+            raise RequestError(f"invalid Content-Length {shown(declared)}", ErrorCode.INVALID_REQUEST, None) from None
         if size > limit:
             raise request_too_large(size, limit)
         if reserve is not None:

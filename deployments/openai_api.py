@@ -42,7 +42,10 @@ _MESSAGES = {
     ErrorCode.ENCODER_UNAVAILABLE: "no encoder replica could take the request; retry after the time in the "
     "Retry-After header",
     ErrorCode.TIMEOUT: "the request took longer than the service's time limit",
+    ErrorCode.SHUTTING_DOWN: "the service is shutting down; retry after the time in the Retry-After header",
 }
+# answers whose message is the whole story (no cause type appended)
+_PLAIN = (ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN)
 
 
 def error_response(exc: BaseException, retry_after_s: float | None = 1.0) -> JSONResponse:
@@ -52,7 +55,7 @@ def error_response(exc: BaseException, retry_after_s: float | None = 1.0) -> JSO
     if error.status < 500 and error is not ErrorCode.RATE_LIMITED:
         message = str(cause)
     elif error in _MESSAGES:
-        message = _MESSAGES[error] if error is ErrorCode.TIMEOUT else f"{_MESSAGES[error]} ({type(cause).__name__})"
+        message = _MESSAGES[error] if error in _PLAIN else f"{_MESSAGES[error]} ({type(cause).__name__})"
     else:
         message = f"internal error: {type(cause).__name__}"
     if error is ErrorCode.INTERNAL_ERROR:
@@ -186,7 +189,9 @@ _STARLETTE_ERRORS = {
     405: ErrorCode.METHOD_NOT_ALLOWED,
 }
 
-api = FastAPI(title="Vision encoding service", version="0.1.0")
+# FastAPI's own /docs, /redoc and /openapi.json would be open to anyone: the ingress serves /docs and
+# /openapi.json itself, behind the API key when one is set (`HttpRoutes.openapi`, `docs`).
+api = FastAPI(title="Vision encoding service", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @api.exception_handler(EncoderError)

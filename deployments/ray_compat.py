@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these four have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these five have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -17,6 +17,10 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   Ray's own pick (its private `_select_from_candidate_replicas`), which the `BucketRouter` uses to count
   a selection in the queue-length cache at once rather than when the request is sent.
 * `queue_len_cache_enabled(router)`: whether Ray keeps that cache at all (`_use_replica_queue_len_cache`).
+* `live_replica_count(app, deployment)`: the replica actors the GCS knows alive, by the actor name Serve gives
+  them (`REPLICA_ID_FULL_ID_STR_PREFIX` + `app#deployment#id`, in `ray.serve._private.common`). `/health`
+  needs to know within seconds that the last encoder replica died; `serve.status()` says so only after the
+  controller's next health check, and the public state API needs the dashboard.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from functools import cache
 
 import ray
 from ray.serve import context as serve_context
+from ray.serve._private import common as serve_common
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import RequestRouter
 
@@ -57,6 +62,8 @@ def _missing() -> list[str]:
         missing.append("ray.serve.request_router.RequestRouter._select_from_candidate_replicas")
     if "_use_replica_queue_len_cache" not in RequestRouter.__init__.__code__.co_names:
         missing.append("ray.serve.request_router.RequestRouter._use_replica_queue_len_cache")
+    if not isinstance(getattr(serve_common, "REPLICA_ID_FULL_ID_STR_PREFIX", None), str):
+        missing.append("ray.serve._private.common.REPLICA_ID_FULL_ID_STR_PREFIX")
     return missing
 
 
@@ -116,3 +123,9 @@ class SelectionHook:
 
     def on_replica_selected(self, replica) -> None:
         """Ray chose `replica` for a pending request."""
+
+
+def live_replica_count(app_name: str, deployment: str) -> int:
+    """Replica actors of `deployment` in `app_name` that are not dead (the GCS drops a dead actor's name)."""
+    prefix = f"{serve_common.REPLICA_ID_FULL_ID_STR_PREFIX}{app_name}#{deployment}#"
+    return sum(1 for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))

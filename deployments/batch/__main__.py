@@ -63,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         default=None,
         help="rows per output part (default: 10000 for one vector per image, 1000 for none)",
     )
+    p.add_argument(
+        "--max-image-bytes",
+        type=_positive,
+        default=20 * 2**20,
+        help="encoded bytes of one image; a longer file or value is an error row (default: 20 MiB)",
+    )
     p.add_argument("--decode-batch-size", type=_positive, default=32, help="rows per CPU decode task")
     p.add_argument("--decode-concurrency", type=_positive, default=None, help="max decode tasks at once")
     p.add_argument(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import statistics
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -23,6 +22,7 @@ from encoder.preprocess import PreprocessConfig, load_image
 from encoder.preprocess_vit import num_patches_for, resize_image_for
 
 from .columns import ERROR, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
+from .image_files import DEFAULT_MAX_IMAGE_BYTES, read_image_file, resolve
 
 
 def image_column_kind(typ: pa.DataType) -> str:
@@ -55,35 +55,51 @@ def check_input_schema(schema: pa.Schema, image_column: str) -> None:
         )
 
 
-def _read_path(value: str, root: str | None) -> bytes:
-    if value.startswith("file://"):
-        value = value[len("file://") :]
-    path = Path(value)
-    if not path.is_absolute() and root is not None:
-        path = Path(root) / path
-    return path.read_bytes()
-
-
-def _image_bytes(value: Any, kind: str, root: str | None) -> bytes:
+def _image_bytes(value: Any, kind: str, root: str | None, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> bytes:
     if kind == "struct":
         if value is None:
             value = {}
         if value.get("bytes") is not None:
-            return value["bytes"]
-        if value.get("path") is not None:
-            return _read_path(value["path"], root)
+            data = value["bytes"]
+        elif value.get("path") is not None:
+            return read_image_file(resolve(value["path"], root), max_bytes)
+        else:
+            raise encoder.ImageDecodeError("image is null")
+    elif value is None:
         raise encoder.ImageDecodeError("image is null")
-    if value is None:
-        raise encoder.ImageDecodeError("image is null")
-    return _read_path(value, root) if kind == "path" else bytes(value)
+    elif kind == "path":
+        return read_image_file(resolve(value, root), max_bytes)
+    else:
+        data = bytes(value)
+    if len(data) > max_bytes:
+        raise encoder.ImageTooLargeError(f"image is {len(data)} bytes, over the limit of {max_bytes} (max_image_bytes)")
+    return data
 
 
-def describe_error(exc: BaseException) -> str:
+def _named_path(value: Any, kind: str) -> str | None:
+    """The file a row's image comes from, if it comes from a file (error rows name it)."""
+    if kind == "path" and isinstance(value, str):
+        return value
+    if kind == "struct" and isinstance(value, dict) and value.get("bytes") is None:
+        return value.get("path")
+    return None
+
+
+def describe_error(exc: BaseException, path: str | None = None) -> str:
     text = str(exc) or repr(exc)
+    if path is not None and path not in text:
+        text = f"{path}: {text}"
     return f"{type(exc).__name__}: {text}"
 
 
-def decode_batch(table: pa.Table, *, image_column: str, pp: PreprocessConfig, path_root: str | None) -> pa.Table:
+def decode_batch(
+    table: pa.Table,
+    *,
+    image_column: str,
+    pp: PreprocessConfig,
+    path_root: str | None,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+) -> pa.Table:
     """Decode + resize one batch; returns the non-image columns plus pixels, sizes, patches and `error`.
 
     Never raises for a bad image: its row gets pixels = null, patches = 0 and the reason in `error`.
@@ -95,13 +111,13 @@ def decode_batch(table: pa.Table, *, image_column: str, pp: PreprocessConfig, pa
     heights, widths, patches, errors = [], [], [], []
     for value in values:
         try:
-            array = resize_image_for(load_image(_image_bytes(value, kind, path_root), pp), pp)
+            array = resize_image_for(load_image(_image_bytes(value, kind, path_root, max_image_bytes), pp), pp)
         except Exception as exc:  # a bad row must never fail the job (Pillow raises many types)
             pixels.append(None)
             heights.append(0)
             widths.append(0)
             patches.append(0)
-            errors.append(describe_error(exc))
+            errors.append(describe_error(exc, _named_path(value, kind)))
             continue
         h, w, _ = array.shape
         pixels.append(array.tobytes())

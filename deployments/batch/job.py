@@ -49,6 +49,7 @@ from .model_facts import (
 )
 from .options import JobConfig
 from .pipeline import embed_dataset
+from .reaper import start_reaper
 
 # Test hook: exit abruptly (no cleanup) right after the k-th part of this run is renamed into place
 # and before the manifest records it, the worst moment for a crash.
@@ -122,6 +123,18 @@ def resolve_part_rows(cfg: JobConfig) -> int:
     return max(1, 1_000 // (1 + deepstack_layers(config_for(cfg.model))))
 
 
+def make_output_dir(out: Path) -> None:
+    """Create the output directory (JobError naming it, and why, when it cannot be created or written)."""
+    if out.exists() and not out.is_dir():
+        raise JobError(f"--output {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JobError(f"--output {out}: cannot create the directory: {e.strerror or e}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise JobError(f"--output {out}: the directory is not writable")
+
+
 def run_job(cfg: JobConfig) -> JobSummary:
     """Run (or resume) a batch job; returns its summary (also printed)."""
     try:  # a bad model name or pooling fails here, before anything starts
@@ -147,7 +160,7 @@ def run_job(cfg: JobConfig) -> JobSummary:
         raise JobError(f"no id column {cfg.id_column!r} in the input; columns: {', '.join(schemas[0].names)}")
     part_rows = resolve_part_rows(cfg)
     parts = plan_parts(files, part_rows)
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out)
     with locked(out):
         manifest = Manifest.open(out, job_params(cfg, files, part_rows))
         done = manifest.done()
@@ -177,6 +190,8 @@ class PartsRunner:
 
         cfg = self.cfg
         if not ray.is_initialized():
+            if cfg.address is None:  # a local cluster, started by this process: ended with it, even on SIGKILL
+                start_reaper()
             ray.init(address=cfg.address)
         gpus = gpus_in_cluster() if cfg.num_gpus is None else cfg.num_gpus
         batch_size = cfg.batch_size

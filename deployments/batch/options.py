@@ -38,6 +38,9 @@ class EmbedOptions(BaseModel):
     decode_concurrency: int | None = Field(None, ge=1, description="Decode tasks at once; None: Ray Data's.")
     decode_cpus: float = Field(1.0, ge=0)
     path_root: str | None = Field(None, description="Relative image paths resolve here; None: the working dir.")
+    max_image_bytes: int = Field(
+        20 * 2**20, ge=1, description="Encoded bytes of one image (a longer file or value is an error row)."
+    )
 
     @classmethod
     def of(cls, **kwargs) -> EmbedOptions:

@@ -79,7 +79,7 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
         decode_batch,
         batch_format="pyarrow",
         batch_size=None,
-        fn_kwargs={"image_column": image_column, "pp": pp, "path_root": root},
+        fn_kwargs={"image_column": image_column, "pp": pp, "path_root": root, "max_image_bytes": o.max_image_bytes},
         num_cpus=o.decode_cpus,
         compute=decode_compute,
         udf_modifying_row_count=False,

@@ -35,12 +35,14 @@ def test_committed_serve_config_deploys(ray_cluster):
     try:
         _get_global_client().deploy_apps(config, _blocking=False)
 
-        def healthy() -> bool:
-            return httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+        def healthy() -> bool:  # 200 once one replica serves; "ok" once all of them do (not "degraded")
+            r = httpx.get(f"{base_url}/health", timeout=10)
+            return r.status_code == 200 and r.json()["status"] == "ok"
 
         wait_for(healthy, timeout_s=120, what="the YAML application's /health")
+        # the controller marks the application RUNNING on its next pass
+        wait_for(lambda: serve.status().applications[app.name].status == "RUNNING", timeout_s=30)
         status = serve.status().applications[app.name]
-        assert status.status == "RUNNING"
         assert status.deployments["VisionEncoder"].replica_states.get("RUNNING") == app.args["num_replicas"]
         url = "data:image/png;base64," + base64.b64encode(encode(random_image("RGB", 64, 64), "PNG")).decode()
         r = httpx.post(f"{base_url}/v1/embeddings", json={"input": [url], "model": app.args["model"]}, timeout=60)

@@ -224,14 +224,16 @@ def test_encoder_ready_reads_serve_status():
         dep = SimpleNamespace(status=state, replica_states={"RUNNING": running, "STARTING": 1})
         return SimpleNamespace(applications={"vision": SimpleNamespace(deployments={"VisionEncoder": dep})})
 
+    # ready iff at least one replica runs, whatever the deployment's state (issue 17: the running ones serve)
     assert encoder_ready(status("HEALTHY", 2), "vision")[0] is True
-    assert encoder_ready(status("UPDATING", 1), "vision")[0] is False  # first deployment: not every replica yet
+    assert encoder_ready(status("UPDATING", 1), "vision")[0] is True
+    assert encoder_ready(status("UPDATING", 0), "vision")[0] is False
+    assert encoder_ready(status("UPDATING", 0), "vision")[1]["status"] == "starting"
     assert encoder_ready(status("HEALTHY", 2), "other")[0] is False
-    # autoscaling: the running replicas keep serving while others start or stop
     assert encoder_ready(status("UPSCALING", 2), "vision")[0] is True
     assert encoder_ready(status("DOWNSCALING", 1), "vision")[0] is True
     assert encoder_ready(status("UPSCALING", 0), "vision")[0] is False
-    assert encoder_ready(status("UNHEALTHY", 2), "vision")[0] is False
+    assert encoder_ready(status("UNHEALTHY", 2), "vision")[0] is True
 
 
 # ------------------------------------------------------------------------------------------ replica pieces

@@ -1,0 +1,154 @@
+"""Graceful shutdown of `serve run` (issue 17, item 5).
+
+`serve run deployments:build_app model=tiny` runs as a subprocess on a free port with its own Ray. Eight
+client loops send one-image requests and one long request (many images) is in flight when the process gets
+SIGINT (as Ctrl-C sends it, to the process group) or SIGTERM: every request sent before the signal is
+answered 200, requests after it get 200 (still on their way) or 503 `shutting_down` with Retry-After or a
+refused connection, and the process is gone within 40 s.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.serve_fixtures import free_port, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
+DOWN_WITHIN_S = 40.0  # the issue's acceptance bound
+
+
+def png_url(side: int, seed: int) -> str:
+    # a smooth picture: small as PNG, so the long request is long to encode, not to send
+    y, x = np.mgrid[0:side, 0:side]
+    pixels = np.stack([(x + seed) % 256, (y * 2) % 256, (x + y) % 256], axis=-1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture
+def serve_run(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"}
+    log = open(tmp_path / "serve_run.log", "wb")  # noqa: SIM115 - closed below
+    args = ["model=tiny", "ingress_batch_size=0", "request_timeout_s=30"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.serve_run_port", str(port), "deployments:build_app", *args],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        yield proc, f"http://127.0.0.1:{port}", tmp_path / "serve_run.log"
+    finally:
+        if proc.poll() is None:  # the test failed: take the whole session (its Ray included) down
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+# SIGINT to the whole process group is what Ctrl-C in a terminal does (Ray's own processes block SIGINT);
+# SIGTERM to the process is what `kill PID` or a process manager does.
+SIGNALS = {
+    "SIGINT to the group (Ctrl-C)": (os.killpg, signal.SIGINT),
+    "SIGTERM to the process": (os.kill, signal.SIGTERM),
+}
+
+
+@pytest.mark.parametrize("how", list(SIGNALS))
+def test_a_signal_answers_everything_admitted_and_exits(serve_run, how):
+    proc, base, log = serve_run
+    send, signum = SIGNALS[how]
+
+    def healthy() -> bool:
+        if proc.poll() is not None:  # pytest.fail is not an Exception: wait_for does not swallow it
+            pytest.fail(f"serve run exited while starting:\n{log.read_text()[-3000:]}")
+        return httpx.get(f"{base}/health", timeout=5).status_code == 200
+
+    wait_for(healthy, timeout_s=300, interval_s=0.5, what="serve run's /health")
+    small = {"input": [png_url(64, 1)]}
+    long_body = {"input": [png_url(448, i) for i in range(32)]}  # 4 encoder batches on a CPU: seconds, blocking others
+    results: list[tuple[str, float, object]] = []  # (who, sent at, status or exception)
+    lock = threading.Lock()
+    signalled = threading.Event()
+    ok_counts = [0] * 8
+    sending: list[tuple[str, float]] = []  # (who, sent at), appended as each request goes out
+
+    def loop(k: int) -> None:
+        with httpx.Client(base_url=base, timeout=60) as client:
+            while True:
+                sent = time.monotonic()
+                with lock:
+                    sending.append((f"loop{k}", sent))
+                try:
+                    r = client.post("/v1/embeddings", json=small)
+                    outcome = (r.status_code, r.headers.get("retry-after"), r.json().get("error", {}).get("code"))
+                except Exception as e:  # noqa: BLE001 - a refused connection after the signal is expected
+                    outcome = e
+                with lock:
+                    results.append((f"loop{k}", sent, outcome))
+                if isinstance(outcome, tuple) and outcome[0] == 200:
+                    ok_counts[k] += 1
+                    continue
+                return  # a failure before the signal is reported by the assertions below
+
+    def long_request() -> None:
+        sent = time.monotonic()
+        with lock:
+            sending.append(("long", sent))
+        try:
+            r = httpx.post(f"{base}/v1/embeddings", json=long_body, timeout=120)
+            outcome = (r.status_code, None, r.text[:300] if r.status_code != 200 else None)
+        except Exception as e:  # noqa: BLE001
+            outcome = e
+        with lock:
+            results.append(("long", sent, outcome))
+
+    loops = [threading.Thread(target=loop, args=(k,)) for k in range(8)]
+    for t in loops:
+        t.start()
+    wait_for(lambda: min(ok_counts) >= 2, timeout_s=120, what="every client loop answered twice (warm)")
+    long_thread = threading.Thread(target=long_request)
+    long_thread.start()
+    # every loop has a request out that was sent after the long one: nine requests in flight at the signal
+    wait_for(lambda: any(who == "long" for who, *_ in sending), timeout_s=30, what="the long request sent")
+    long_sent = next(at for who, at in sending if who == "long")
+    wait_for(
+        lambda: all(any(who == f"loop{k}" and at > long_sent for who, at in sending) for k in range(8)),
+        timeout_s=60,
+        what="every loop sending after the long request",
+    )
+    assert long_thread.is_alive(), f"the long request ended before the signal: {[r for r in results if r[0] == 'long']}"
+    signal_at = time.monotonic()
+    signalled.set()
+    send(proc.pid, signum)
+    try:
+        proc.wait(timeout=DOWN_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve run still up {DOWN_WITHIN_S}s after SIGINT:\n{log.read_text()[-4000:]}")
+    down_after = time.monotonic() - signal_at
+    long_thread.join(timeout=30)
+    for t in loops:
+        t.join(timeout=30)
+    before = [(who, outcome) for who, sent, outcome in results if sent < signal_at]
+    after = [(who, outcome) for who, sent, outcome in results if sent >= signal_at]
+    assert any(who == "long" for who, _ in before)
+    bad = [(who, o) for who, o in before if not (isinstance(o, tuple) and o[0] == 200)]
+    assert not bad, f"requests sent before the signal not answered 200: {bad}\n{log.read_text()[-3000:]}"
+    for who, o in after:  # after the signal: admitted in the grace, refused with Retry-After, or no listener
+        if isinstance(o, tuple) and o[0] != 200:
+            assert o[0] == 503 and o[1] is not None, (who, o)
+    print(f"down {down_after:.1f}s after {how}; {len(before)} requests before it, {len(after)} after")

@@ -1,0 +1,88 @@
+"""Health semantics, the drain's admission rule and echoed values (issue 17, items 5, 6, 9). No Ray cluster."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from deployments.errors import ErrorCode, RequestError, shown
+from deployments.openai_api import error_response
+from deployments.readiness import encoder_ready
+from deployments.shutdown import DrainWatch, drain_timeout
+
+
+def status(running: int, state: str = "HEALTHY"):
+    dep = SimpleNamespace(status=state, replica_states={"RUNNING": running})
+    return SimpleNamespace(applications={"v": SimpleNamespace(deployments={"VisionEncoder": dep})})
+
+
+def test_health_counts_live_replicas_not_serves_lagging_view():
+    # Serve still says 2 running, the GCS knows one alive: ready, degraded
+    ready, detail = encoder_ready(status(2, "UNHEALTHY"), "v", live=1, total=2)
+    assert ready and detail["status"] == "degraded" and detail["encoder_replicas"] == {"serving": 1, "total": 2}
+    # the only replica's actor is gone though Serve has not noticed: not ready
+    ready, detail = encoder_ready(status(1), "v", live=0, total=1)
+    assert not ready and detail["status"] == "unavailable"
+    # a replacement actor exists but is not running yet: not ready
+    assert not encoder_ready(status(0, "UNHEALTHY"), "v", live=1, total=1)[0]
+    ready, detail = encoder_ready(status(2), "v", live=2, total=2)
+    assert ready and detail["status"] == "ok"
+
+
+def test_every_error_code_has_a_string_outcome():
+    # a name inside the Enum body once referred to the member, not the outcome string (a KeyError -> 500)
+    assert all(isinstance(e.outcome, str) for e in ErrorCode)
+
+
+def test_shutting_down_is_503_with_retry_after():
+    r = error_response(RequestError("the service is shutting down", ErrorCode.SHUTTING_DOWN, None), 2)
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    assert b'"code":"shutting_down"' in r.body and b"RequestError" not in r.body
+
+
+def test_shown_truncates_echoed_values():
+    assert shown("tiny") == "'tiny'"
+    long = shown("x" * 1_000_000)
+    assert len(long) < 110 and long.endswith("…'")
+
+
+def test_drain_watch_admits_only_within_the_grace():
+    watch = DrainWatch("r1", lambda: 0, poll_s=60, grace_s=0.0)  # the thread never looks: driven by hand
+    try:
+        assert watch.admitting() and not watch.draining
+        watch.noticed_at = time.monotonic()
+        assert watch.draining and not watch.admitting()
+        watch._grace_s = 3600.0
+        assert watch.admitting()
+    finally:
+        watch.stop()
+    assert drain_timeout(60) > 60
+
+
+def test_a_burst_of_health_probes_costs_one_lookup(monkeypatch):
+    import asyncio
+
+    import deployments.readiness as readiness
+
+    calls = []
+
+    def fake_status():
+        calls.append("status")
+        return status(1)
+
+    monkeypatch.setattr(
+        readiness,
+        "serve",
+        SimpleNamespace(status=fake_status, get_replica_context=lambda: SimpleNamespace(app_name="v")),
+    )
+    monkeypatch.setattr(readiness, "live_replica_count", lambda app, dep: 1)
+
+    async def describe():
+        return {"graphs_captured": True}
+
+    async def burst():
+        probe = readiness.Readiness(describe, total=1)
+        return await asyncio.gather(*(probe() for _ in range(50)))
+
+    answers = asyncio.run(burst())
+    assert all(ready for ready, _ in answers) and calls == ["status"]
