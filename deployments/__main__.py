@@ -7,8 +7,9 @@ bad model or argument is one `error:` line, one line says where the service answ
 SIGINT / SIGTERM shut it down without a traceback. Exit status: 0 after a requested stop, 2 for bad
 arguments, a bad model or a taken port.
 
-Without `--address` it starts its own local Ray instance (never a cluster someone else started on this
-machine); with one it joins that cluster (`RAY_AUTH_MODE=token` for a token-authenticated one).
+Without `--address` (or RAY_ADDRESS) it starts its own local Ray instance, never a cluster someone else
+started on this machine; with one it joins that cluster (set `RAY_AUTH_MODE=token` to authenticate with the
+token in ~/.ray/auth_token, as `ray start` clusters require in Ray 2.60).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import sys
 import threading
 
-from .preflight import USAGE_EXIT, AppConfigError, check_port_free
+from .preflight import USAGE_EXIT, AppConfigError, check_port_free, ray_address
 
 
 def key_values(items: list[str]) -> dict[str, str]:
@@ -39,7 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("args", nargs="*", metavar="KEY=VALUE", help="AppArgs fields, e.g. model=tiny num_replicas=2")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP proxy listens on (0.0.0.0: every one)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local Ray instance)")
+    p.add_argument(
+        "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a Ray instance of our own)"
+    )
     p.add_argument("--name", default="default", help="application name (serve.get_app_handle(name))")
     return p.parse_args(argv)
 
@@ -48,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     from .application import build_app
 
+    address = ray_address(ns.address)
     try:
         app = build_app(key_values(ns.args))  # checks the arguments and the model, before Ray starts
-        if ns.address is None:  # on a cluster the proxies listen on its nodes, not necessarily here
+        if address == "local":  # on a cluster the proxies listen on its nodes, not necessarily here
             check_port_free(ns.host, ns.port)
     except AppConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = threading.Event()
     try:
-        ray.init(address=ns.address, namespace="serve")
+        ray.init(address=address, namespace="serve")
     except KeyboardInterrupt:
         return 0
     # after ray.init: Ray's core worker installs a SIGTERM handler that dumps a stack and aborts; ours
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vision service ready at http://{host}:{ns.port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
         stop.wait()
     finally:
-        if ns.address is not None:  # a cluster outlives us: remove the application from it
+        if address != "local":  # a cluster outlives us: remove the application from it
             serve.shutdown()
         ray.shutdown()  # our own Ray instance: everything in it stops
     return 0

@@ -11,6 +11,7 @@ of a traceback; for Python callers it is an ordinary `encoder.errors.ConfigError
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from pathlib import Path
 
@@ -73,3 +74,10 @@ def check_port_free(host: str, port: int) -> None:
                     "choose a free one with --port"
                 ) from None
             raise AppConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def ray_address(explicit: str | None) -> str:
+    """Where our CLIs connect: the address given, else RAY_ADDRESS (`ray job submit` sets it for its drivers),
+    else "local", a Ray instance of our own. Not `ray.init()`'s default: with no address it joins the cluster
+    that `ray start` last started on this machine, which may be another user's."""
+    return explicit or os.environ.get("RAY_ADDRESS") or "local"

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from encoder.errors import InvalidArgumentError
 
+from ..preflight import ray_address
 from .columns import ERROR
 from .decode import check_input_schema, image_column_kind, typical_patches_of
 from .files import (
@@ -177,7 +178,7 @@ class PartsRunner:
 
         cfg = self.cfg
         if not ray.is_initialized():
-            ray.init(address=cfg.address)
+            ray.init(address=ray_address(cfg.address))
         gpus = gpus_in_cluster() if cfg.num_gpus is None else cfg.num_gpus
         batch_size = cfg.batch_size
         if batch_size is None:

@@ -98,8 +98,10 @@ def rows_per_batch(plan: BucketPlan, typical_patches: int, fill: int = 2) -> int
 def gpus_in_cluster() -> int:
     import ray
 
+    from ..preflight import ray_address
+
     if not ray.is_initialized():
-        ray.init()
+        ray.init(address=ray_address(None))
     return int(ray.cluster_resources().get("GPU", 0))
 
 
