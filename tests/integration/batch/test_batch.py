@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -359,7 +360,7 @@ def test_cli_killed_then_resumed_gives_every_id_once(ray_cluster, tmp_path):
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": ids, "image": pa.array(images, pa.binary())}), src, row_group_size=30)
     out = tmp_path / "out"
-    args = ["--input", str(src), "--output", str(out), "--part-rows", "20", "--no-progress"]
+    args = ["--input", str(src), "--output", str(out), "--part-rows", "20"]
     # Killed (os._exit, no cleanup) right after its 2nd part is renamed into place, before the
     # manifest records it: the worst moment.
     env = {**os.environ, CRASH_ENV: "2"}
@@ -373,6 +374,11 @@ def test_cli_killed_then_resumed_gives_every_id_once(ray_cluster, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 75, proc.stderr[-3000:]
+    # a normal run logs no E-level lines (Ray's `core_worker.cc ... max_restarts > 0` was one on every run),
+    # and its progress counts images, not Ray Data's blocks per operator
+    assert not re.search(r"^\[[^\]]* E \d+ \d+\]", proc.stderr, re.M), proc.stderr[-3000:]
+    assert re.search(r"^\[deployments\.batch\] \d+/\d+ images \(\d+%\)", proc.stderr, re.M), proc.stderr[-3000:]
+    assert "Progress bars disabled" not in proc.stderr
     manifest = json.loads((out / MANIFEST).read_text())
     assert len(manifest["parts"]) == 1 and not manifest.get("complete")
     assert len(list(out.glob("part-*.parquet"))) == 2
