@@ -258,6 +258,7 @@ def test_parts_and_read_units_follow_row_groups():
 # ------------------------------------------------------------------------------------- the CLI
 
 
+@pytest.mark.slow  # a Ray cluster and a whole job
 def test_cli_bytes_mean_directory_of_parquet(ray_cluster, tmp_path):
     ids_a, images_a, bad_a = make_rows(150, seed=1, corrupt_every=20)
     ids_b, images_b, _ = make_rows(80, seed=2)
@@ -304,6 +305,7 @@ def test_cli_bytes_mean_directory_of_parquet(ray_cluster, tmp_path):
         assert len(part_ids) == info["num_rows"] and part_ids == sorted(part_ids)
 
 
+@pytest.mark.slow  # a Ray cluster and a whole job
 def test_cli_paths_ipc_per_token(ray_cluster, tmp_path):
     files, paths, want_images = tmp_path / "images", [], {}
     files.mkdir()
@@ -353,6 +355,7 @@ def test_cli_paths_ipc_per_token(ray_cluster, tmp_path):
         assert_close(np.asarray(row["embedding"], dtype=np.float32), want)
 
 
+@pytest.mark.slow  # a Ray cluster and a whole job
 def test_cli_killed_then_resumed_gives_every_id_once(ray_cluster, tmp_path):
     import ray
 
@@ -404,6 +407,7 @@ def test_cli_killed_then_resumed_gives_every_id_once(ray_cluster, tmp_path):
     assert sorted(read_output(out).column("id").to_pylist()) == sorted(ids)
 
 
+@pytest.mark.slow  # a Ray cluster and a whole job
 def test_example_runs(ray_cluster):
     sys.path.insert(0, str(ROOT / "examples"))
     try:
