@@ -45,6 +45,7 @@ def test_serve_run_with_a_bad_model_fails_at_once_in_one_line():
     assert "expected a preset (tiny" in output and "Traceback" not in output, output
 
 
+@pytest.mark.slow  # the same in-process: tests/unit/deployments/batch/test_job_driver.py
 def test_batch_cli_with_a_bad_model_exits_2_in_one_line(tmp_path):
     cmd = [sys.executable, "-m", "deployments.batch", "--input", str(tmp_path), "--output", str(tmp_path / "out")]
     done, seconds = run([*cmd, "--model", "/nonexistent/dir"])
