@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from encoder.preprocess import DEFAULT_FORMATS
+from encoder.presets import PRESETS
 from workspace.buckets import BucketError, BucketTable
 from workspace.tables import DEVICE_DEFAULTS
 
@@ -27,7 +28,11 @@ class ModelArgs(BaseModel):
 
     model_config = _CONFIG
 
-    model: str = Field("tiny", description="Preset name (random weights) or a local Hugging Face checkpoint dir.")
+    model: str = Field(
+        "tiny",
+        description="Preset name (random weights), a local Hugging Face checkpoint dir or a Hub id "
+        "org/name[@revision]; checked by build_app before any replica starts.",
+    )
     served_model_name: str | None = Field(
         None, description="Name in /v1/models and the accepted `model` of requests; default: `model`."
     )
@@ -49,6 +54,11 @@ class ModelArgs(BaseModel):
         if self.served_model_name:
             return self.served_model_name
         return os.path.basename(os.path.normpath(self.model)) if os.path.isdir(self.model) else self.model
+
+    @property
+    def random_weights(self) -> bool:
+        """A preset: seeded random weights (`encoder.hub.resolve_model` tries preset names first)."""
+        return self.model in PRESETS
 
 
 class BucketArgs(BaseModel):
@@ -234,6 +244,9 @@ class IngressArgs(BaseModel):
     )
     encoder_retry_backoff_s: float = Field(
         0.05, ge=0, description="First retry delay; doubles per retry (with jitter), capped at 2 s."
+    )
+    access_log: bool = Field(
+        False, description="Serve's per-request access log lines (ingress and encoder replicas); off by default."
     )
 
     @property

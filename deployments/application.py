@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import logging
 
+import ray
+from pydantic import ValidationError
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
+from ray.serve.schema import LoggingConfig
+
+from encoder.errors import validation_reason
 
 from .config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from .ingress import VisionIngress
+from .preflight import AppConfigError, check_model
 from .ray_compat import check_ray
 from .replica import EncoderReplica
 from .shutdown import in_serve_run, install_signal_drain
@@ -21,13 +27,23 @@ def build_app(args: dict | AppArgs | None = None):
 
     `args`: an `AppArgs` or a dict of its fields (strings from the Serve CLI are coerced).
     `serve run deployments:build_app model=tiny num_replicas=2`.
+
+    Bad arguments or a model that cannot be loaded raise `preflight.AppConfigError` (one line) here, before
+    any replica starts. With Ray connected (`serve deploy` builds the app in the controller) the replicas
+    may run on other nodes, so a checkpoint directory needs only its config.json here.
     """
     check_ray()
-    a = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args or {}))
+    try:
+        a = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args or {}))
+    except ValidationError as exc:
+        raise AppConfigError(f"invalid application arguments: {validation_reason(exc)}") from None
+    source = check_model(a.model, weights_elsewhere=ray.is_initialized())
     gpus = resolve_num_gpus(a)
     # Replicas re-derive the device from the same args, so pin the GPU decision made here.
     a = a.model_copy(update={"num_gpus": gpus})
     plain = a.model_dump(mode="json")
+    # Serve logs two INFO lines per request (proxy/ingress and encoder) unless access logs are off
+    logging_config = LoggingConfig(enable_access_log=a.access_log)
     router = {}
     if a.request_router_class:
         router["request_router_class"] = a.request_router_class
@@ -43,6 +59,7 @@ def build_app(args: dict | AppArgs | None = None):
         health_check_timeout_s=a.health_check_timeout_s,
         graceful_shutdown_wait_loop_s=a.graceful_shutdown_wait_loop_s,
         graceful_shutdown_timeout_s=a.graceful_shutdown_timeout_s,
+        logging_config=logging_config,
     )
     # The ingress admits `inflight_limit` requests and answers the rest 429 itself (OpenAI error body,
     # Retry-After); requests beyond its max_ongoing_requests queue at the proxy, and beyond
@@ -56,11 +73,13 @@ def build_app(args: dict | AppArgs | None = None):
         ray_actor_options={"num_cpus": a.ingress_num_cpus},
         graceful_shutdown_wait_loop_s=a.graceful_shutdown_wait_loop_s,
         graceful_shutdown_timeout_s=a.graceful_shutdown_timeout_s,
+        logging_config=logging_config,
     )
     if in_serve_run():  # Ctrl-C / SIGTERM of `serve run`: drain first (Serve's shutdown drops in-flight requests)
         install_signal_drain(a.request_timeout_s)
     logger.info(
-        "vision app: model=%s, %d encoder replica(s) x %g GPU / %g CPU, %d ingress replica(s), router=%s",
-        a.model, a.num_replicas, gpus, a.num_cpus, a.ingress_replicas, a.request_router_class or "default",
+        "vision app: model=%s (%s%s), %d encoder replica(s) x %g GPU / %g CPU, %d ingress replica(s), router=%s",
+        a.model, source.kind, ", RANDOM weights" if source.random_weights else "", a.num_replicas, gpus,
+        a.num_cpus, a.ingress_replicas, a.request_router_class or "default",
     )  # fmt: skip
     return ingress.bind(encoder.bind(plain), plain)

@@ -217,7 +217,16 @@ class HttpRoutes:
         return JSONResponse(
             {
                 "object": "list",
-                "data": [{"id": self._model_name, "object": "model", "created": self._created, "owned_by": "vision"}],
+                "data": [
+                    {
+                        "id": self._model_name,
+                        "object": "model",
+                        "created": self._created,
+                        "owned_by": "vision",
+                        # extension: a preset's seeded random weights embed nothing meaningful; say so
+                        "random_weights": self.args.random_weights,
+                    }
+                ],
             }
         )
 

@@ -94,13 +94,38 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
+_INPUT_SHAPE = "an image (a data URL or base64 string) or a non-empty list of them"
+
+
+def input_sentence(errors: list[dict]) -> str | None:
+    """One sentence for what is wrong with `input`, in place of pydantic's one line per union branch
+    (`input.str: Input should be a valid string; input.list[str]: List should have at least 1 item ...`);
+    None when `input` is fine."""
+    about = [e for e in errors if tuple(e.get("loc", ()))[:1] == ("input",)]
+    if not about:
+        return None
+    if any(e.get("type") == "missing" for e in about):
+        return f"input is required: {_INPUT_SHAPE}"
+    listed = [e for e in about if tuple(e.get("loc", ()))[1:2] == ("list[str]",)]
+    if any(e.get("type") == "too_short" for e in listed):
+        return "input is an empty list; send at least one image"
+    positions = [e["loc"][2] for e in listed if len(e["loc"]) > 2 and isinstance(e["loc"][2], int)]
+    if positions:
+        shown = ", ".join(f"input[{i}]" for i in positions[:5]) + (", ..." if len(positions) > 5 else "")
+        return f"{shown} must be a string (a data URL or base64 image)"
+    return f"input must be {_INPUT_SHAPE}"
+
+
 def schema_error(errors: list[dict]) -> RequestError:
-    """422 naming every schema violation (`input.str: Input should be a valid string; ...`)."""
+    """422 naming every schema violation (`pooling: Input should be ...; input is an empty list ...`)."""
 
     def where(e: dict) -> str:
         return ".".join(str(x) for x in e.get("loc", ()) if x != "body")
 
-    message = "; ".join(f"{where(e) or 'body'}: {e.get('msg')}" for e in errors) or "invalid request body"
+    sentence = input_sentence(errors)
+    others = [e for e in errors if tuple(e.get("loc", ()))[:1] != ("input",)]
+    parts = ([sentence] if sentence else []) + [f"{where(e) or 'body'}: {e.get('msg')}" for e in others]
+    message = "; ".join(parts) or "invalid request body"
     loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
     return RequestError(message, ErrorCode.INVALID_SCHEMA, loc[0] if loc else None)
 

@@ -38,6 +38,22 @@ from .routing_stats import BucketRoutingStats
 logger = logging.getLogger("ray.serve")
 
 
+def startup_summary(vision, plan, stats: dict, seconds: float, pipeline: DevicePipeline) -> str:
+    """The replica's one start-up line: model and where its weights came from, device, dtype, attention per
+    layer kind, buckets, capture time and memory, batch limits."""
+    info = vision.model_info()
+    weights = "RANDOM weights (preset)" if info["random_weights"] else f"weights from {info['kind']} {info.get('path')}"
+    attention = ", ".join(f"{kind}={backend}" for kind, backend in stats["attention"].items())
+    buckets = ",".join(str(k.budget) for k in plan.table.keys)
+    return (
+        f"encoder ready: {vision.name}, {weights}, {vision.device} {str(vision.dtype).removeprefix('torch.')}, "
+        f"attention {attention}; buckets {buckets} ({stats['captures']} graphs captured in "
+        f"{stats['capture_seconds']:.1f}s, {stats['capture_bytes'] / 2**20:.0f} MiB); batches up to "
+        f"{plan.max_batch_patches} patches / {plan.max_batch_images} images ({pipeline.pipeline_depth} in flight); "
+        f"started in {seconds:.1f}s"
+    )
+
+
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.5}, health_check_period_s=10)
 class EncoderReplica:
     """Serve deployment of one encoder: `encode_pixels` for the ingress, stats for routers and tests."""
@@ -73,13 +89,7 @@ class EncoderReplica:
         stats = self.engine.stats()
         self.metrics.captured.set(stats["captures"])
         self.ready = True
-        logger.info(
-            "encoder %s on %s (%s): %d buckets, %d graphs captured in %.1fs (%.0f MiB pool), ready after %.1fs; "
-            "batches up to %d patches / %d images (%s, %d in flight)",
-            vision.name, self.device, vision.dtype, len(plan.table), stats["captures"], stats["capture_seconds"],
-            stats["capture_bytes"] / 2**20, time.perf_counter() - start, plan.max_batch_patches,
-            plan.max_batch_images, a.batcher, self.pipeline.pipeline_depth,
-        )  # fmt: skip
+        logger.info("%s", startup_summary(vision, plan, stats, time.perf_counter() - start, self.pipeline))
 
     # -- the request methods -----------------------------------------------------------------------------
     async def encode_pixels(

@@ -47,14 +47,16 @@ def make_parquet(path: Path, num_images: int, seed: int = 0) -> None:
     pq.write_table(table, path)
 
 
-def main(num_images: int = 64, model: str = "tiny") -> pa.Table:
+def main(num_images: int = 64, model: str = "tiny", address: str | None = None) -> pa.Table:
     import ray
     import ray.data
 
     if not ray.is_initialized():
         # Ray's workers import deployments.batch too: make this checkout importable for them
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        ray.init()
+        # "local": a Ray instance of our own; a bare ray.init() would join any cluster `ray start` started on
+        # this machine. An address joins that cluster (RAY_AUTH_MODE=token to send its token).
+        ray.init(address=address or "local")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "images.parquet"
         make_parquet(src, num_images)
@@ -75,5 +77,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-images", type=int, default=64)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--address", default=None, help="Ray cluster to run on (default: a Ray instance of our own)")
     args = parser.parse_args()
-    main(args.num_images, args.model)
+    main(args.num_images, args.model, args.address)

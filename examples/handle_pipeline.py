@@ -1,11 +1,16 @@
 """Embed images from a Python pipeline through a Ray Serve `DeploymentHandle` (no HTTP).
 
-    # against a service on a cluster started with `ray start --head` (a cluster that `serve run`
-    # starts by itself refuses other processes: Ray 2.60's token authentication):
-    ray start --head && serve run --address auto deployments:app    # in another terminal
-    python examples/handle_pipeline.py --app default                  # --address HOST:PORT if several
-    # or start the service inside this process:
+    # start the tiny service inside this process (its own Ray instance):
     python examples/handle_pipeline.py --local
+    # or against a service on a cluster you started (`ray start` prints its address; a Ray instance that
+    # `serve run` or `python -m deployments` starts by itself cannot be joined by other processes):
+    ray start --head --port 6380 && python -m deployments --address 127.0.0.1:6380    # another terminal
+    RAY_AUTH_MODE=token python examples/handle_pipeline.py --address 127.0.0.1:6380 --app default
+
+Ray 2.60 clusters use token authentication: RAY_AUTH_MODE=token makes this process send the cluster's
+token (~/.ray/auth_token, written by `ray start`; `ray get-auth-token` prints it); without it every
+connection attempt fails with InvalidAuthToken. There is no default address: `auto` would join whichever
+cluster runs on this machine, maybe another user's.
 
 `embed(images, pooling="mean")` takes encoded bytes, PIL images, uint8 arrays (and data URLs) and
 returns one float32 numpy array per image. Many concurrent calls are merged by the ingress.
@@ -48,10 +53,12 @@ if __name__ == "__main__":
     parser.add_argument(
         "--app", default="default", help="name of a running Serve application (`serve run` names it default)"
     )
-    parser.add_argument("--address", default="auto", help="Ray cluster address (GCS host:port) of the service")
+    parser.add_argument("--address", default=None, help="Ray cluster address (GCS host:port) of the service")
     parser.add_argument("--local", action="store_true", help="start the tiny service in this process")
     parser.add_argument("--image", default=str(DEFAULT_IMAGE))
     args = parser.parse_args()
+    if not args.local and not args.address:
+        parser.error("give --local (start the service here) or --address HOST:PORT of the cluster running it")
 
     import ray
     from ray import serve
@@ -62,7 +69,7 @@ if __name__ == "__main__":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, if not pip-installed
         import deployments
 
-        ray.init(num_cpus=4)
+        ray.init(address="local", num_cpus=4)  # a Ray instance of our own
         handle = serve.run(deployments.build_app({}), name=args.app, route_prefix="/")
     else:
         ray.init(address=args.address)

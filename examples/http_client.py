@@ -1,6 +1,6 @@
 """Embed an image over HTTP with httpx: `POST /v1/embeddings` with a data URL.
 
-serve run deployments:app            # in another terminal
+python -m deployments --port 8000     # in another terminal (or: serve run deployments:app)
 python examples/http_client.py --url http://127.0.0.1:8000 --image examples/images/gradient.jpg
 """
 

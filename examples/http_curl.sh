@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Embed an image with curl: POST /v1/embeddings with a data URL (the OpenAI embeddings shape).
-#   serve run deployments:app      # in another terminal
+#   python -m deployments --port 8000    # in another terminal (or: serve run deployments:app)
 #   bash examples/http_curl.sh [BASE_URL] [IMAGE]
 set -euo pipefail
 URL="${1:-http://127.0.0.1:8000}"

@@ -12,6 +12,7 @@ has to do with them, on the Hugging Face model of the same checkpoint:
    decoder layer k (`visual_pos_masks`, `deepstack_visual_embeds` of the text model; the full
    model's `forward` computes them itself, so the text model is called directly, then `lm_head`).
 
+    pip install transformers torchvision    # Hugging Face's VLM and processor (not a dependency of ours)
     python examples/llm_handoff.py CHECKPOINT_DIR [IMAGE] [--prompt TEXT] [--max-new-tokens N]
 
 With a real checkpoint (tokenizer and chat template in the directory) it prints the generated

@@ -1,6 +1,6 @@
 """Embed an image with the official `openai` client pointed at the local service.
 
-    serve run deployments:app            # in another terminal
+    python -m deployments --port 8000    # in another terminal (or: serve run deployments:app)
     python examples/openai_client.py --url http://127.0.0.1:8000
 
 The client sends `encoding_format="base64"` unless told otherwise and decodes it; both work.

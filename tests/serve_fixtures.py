@@ -8,6 +8,7 @@ Serve's HTTP proxy listens on a free port (other test runs may share this machin
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,9 @@ def ray_cluster() -> Iterator[None]:
     """A Ray instance for the whole session (reused if something already started one)."""
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False)
+        # log_to_driver=False: replica and worker logs stay in Ray's log files (/tmp/ray/session_*/logs) instead
+        # of being printed into pytest's output by Ray's log monitor between tests
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     yield
     if started:
         serve.shutdown()

@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     )
     p.add_argument("--num-actors", type=_positive, default=None, help="CPU encoder actors when there are no GPUs")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
-    p.add_argument("--no-progress", action="store_true", help="no Ray Data progress bars")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines (images done, images/s)")
     a = vars(p.parse_args(argv))
     progress = not a.pop("no_progress")
     a["id_column"] = a["id_column"] or None

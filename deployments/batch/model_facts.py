@@ -8,7 +8,7 @@ batch are sized (`rows_per_batch`).
 
 from __future__ import annotations
 
-from pathlib import Path
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -17,25 +17,30 @@ import encoder
 from encoder.api import attention_plan, is_fixed_resolution, vector_pooling
 from encoder.api import preprocess_config_for as model_preprocess_config
 from encoder.attention import graph_token_cap
-from encoder.checkpoint import load_config
 from encoder.config import VisionConfig
+from encoder.hub import ResolvedModel, resolve_model
 from encoder.preprocess import PreprocessConfig, num_patches
-from encoder.presets import preset
 from workspace.tables import BucketPlan, TowerShape, process_plan
 
 
+@lru_cache(maxsize=8)  # the driver asks several times; a Hub id would be looked up each time
+def resolved(model: str) -> ResolvedModel:
+    """`encoder.hub.resolve_model` without the weights (the actors fetch them): a bad model fails here, on the
+    driver, in one line, before Ray starts."""
+    return resolve_model(model, download_weights=False)
+
+
 def config_for(model: str) -> VisionConfig:
-    """The tower config of a preset name or checkpoint directory (no weights read)."""
-    path = Path(model)
-    return load_config(path) if path.is_dir() else preset(model)
+    """The tower config of a preset name, checkpoint directory or Hub id (no weights read)."""
+    return resolved(model).config
 
 
 def preprocess_config_for(model: str) -> PreprocessConfig:
     """The preprocessing `encoder.load(model)` uses, without building the model (cheap, driver side).
 
     A `VitPreprocessConfig` for CLIP / SigLIP models (same attributes where the pipeline reads them)."""
-    path = Path(model)
-    return model_preprocess_config(config_for(model), path if path.is_dir() else None)
+    source = resolved(model)
+    return model_preprocess_config(source.config, source.path)
 
 
 def deepstack_layers(config: VisionConfig) -> int:
@@ -93,8 +98,10 @@ def rows_per_batch(plan: BucketPlan, typical_patches: int, fill: int = 2) -> int
 def gpus_in_cluster() -> int:
     import ray
 
+    from ..preflight import ray_address
+
     if not ray.is_initialized():
-        ray.init()
+        ray.init(address=ray_address(None))
     return int(ray.cluster_resources().get("GPU", 0))
 
 

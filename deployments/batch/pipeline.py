@@ -9,6 +9,7 @@ non-image column is passed through.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from encoder.errors import InvalidArgumentError
@@ -86,21 +87,29 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     )
     ds = ds.repartition(target_num_rows_per_block=batch_size, strict=True)
     actors = max(1, gpus) if gpus > 0 else max(1, int(o.num_actors or 1))
-    return ds.map_batches(
-        EncoderActor,
-        batch_format="pyarrow",
-        batch_size=batch_size,
-        fn_constructor_kwargs={
-            "model": model,
-            "pooling": pooling,
-            "buckets": o.buckets,
-            "dtype": o.dtype,
-            "attention": o.attention,
-            "preprocess_config": pp,
-            "expected_table": plan.table,
-        },
-        compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=2),
-        num_gpus=1 if gpus > 0 else 0,
-        num_cpus=o.actor_cpus,
-        udf_modifying_row_count=False,
-    )
+    with warnings.catch_warnings():
+        # max_restarts goes through **ray_remote_args, which Ray 2.60 deprecates for named parameters it does
+        # not have yet (ray is pinned below 2.61)
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return ds.map_batches(
+            EncoderActor,
+            batch_format="pyarrow",
+            batch_size=batch_size,
+            fn_constructor_kwargs={
+                "model": model,
+                "pooling": pooling,
+                "buckets": o.buckets,
+                "dtype": o.dtype,
+                "attention": o.attention,
+                "preprocess_config": pp,
+                "expected_table": plan.table,
+            },
+            compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=2),
+            num_gpus=1 if gpus > 0 else 0,
+            num_cpus=o.actor_cpus,
+            udf_modifying_row_count=False,
+            # Ray Data restarts dead actors by default, but keeps their constructor arguments (its map transformer)
+            # in the object store, and Ray logs an E-level line on every run that such a restart may fail. A dead
+            # encoder actor (a GPU fault, a lost node) ends the job instead; a re-run keeps its finished parts.
+            max_restarts=0,
+        )

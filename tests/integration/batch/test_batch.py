@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -257,6 +258,7 @@ def test_parts_and_read_units_follow_row_groups():
 # ------------------------------------------------------------------------------------- the CLI
 
 
+@pytest.mark.slow  # a Ray cluster and a whole job
 def test_cli_bytes_mean_directory_of_parquet(ray_cluster, tmp_path):
     ids_a, images_a, bad_a = make_rows(150, seed=1, corrupt_every=20)
     ids_b, images_b, _ = make_rows(80, seed=2)
@@ -303,6 +305,7 @@ def test_cli_bytes_mean_directory_of_parquet(ray_cluster, tmp_path):
         assert len(part_ids) == info["num_rows"] and part_ids == sorted(part_ids)
 
 
+@pytest.mark.slow  # a Ray cluster and a whole job
 def test_cli_paths_ipc_per_token(ray_cluster, tmp_path):
     files, paths, want_images = tmp_path / "images", [], {}
     files.mkdir()
@@ -352,6 +355,7 @@ def test_cli_paths_ipc_per_token(ray_cluster, tmp_path):
         assert_close(np.asarray(row["embedding"], dtype=np.float32), want)
 
 
+@pytest.mark.slow  # a Ray cluster and a whole job
 def test_cli_killed_then_resumed_gives_every_id_once(ray_cluster, tmp_path):
     import ray
 
@@ -359,7 +363,7 @@ def test_cli_killed_then_resumed_gives_every_id_once(ray_cluster, tmp_path):
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": ids, "image": pa.array(images, pa.binary())}), src, row_group_size=30)
     out = tmp_path / "out"
-    args = ["--input", str(src), "--output", str(out), "--part-rows", "20", "--no-progress"]
+    args = ["--input", str(src), "--output", str(out), "--part-rows", "20"]
     # Killed (os._exit, no cleanup) right after its 2nd part is renamed into place, before the
     # manifest records it: the worst moment.
     env = {**os.environ, CRASH_ENV: "2"}
@@ -373,6 +377,11 @@ def test_cli_killed_then_resumed_gives_every_id_once(ray_cluster, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 75, proc.stderr[-3000:]
+    # a normal run logs no E-level lines (Ray's `core_worker.cc ... max_restarts > 0` was one on every run),
+    # and its progress counts images, not Ray Data's blocks per operator
+    assert not re.search(r"^\[[^\]]* E \d+ \d+\]", proc.stderr, re.M), proc.stderr[-3000:]
+    assert re.search(r"^\[deployments\.batch\] \d+/\d+ images \(\d+%\)", proc.stderr, re.M), proc.stderr[-3000:]
+    assert "Progress bars disabled" not in proc.stderr
     manifest = json.loads((out / MANIFEST).read_text())
     assert len(manifest["parts"]) == 1 and not manifest.get("complete")
     assert len(list(out.glob("part-*.parquet"))) == 2
@@ -398,6 +407,7 @@ def test_cli_killed_then_resumed_gives_every_id_once(ray_cluster, tmp_path):
     assert sorted(read_output(out).column("id").to_pylist()) == sorted(ids)
 
 
+@pytest.mark.slow  # a Ray cluster and a whole job
 def test_example_runs(ray_cluster):
     sys.path.insert(0, str(ROOT / "examples"))
     try:

@@ -9,6 +9,7 @@ defaults, per-node-type worker bounds, merged setup commands) then `validate_con
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shlex
 from pathlib import Path
@@ -151,12 +152,18 @@ def test_production_serve_config_validates():
 
 def test_production_serve_config_builds_the_application():
     """build_app accepts the file's args as `serve deploy` passes them, without a cluster (num_gpus is pinned,
-    so nothing asks Ray how many GPUs there are)."""
+    so nothing asks Ray how many GPUs there are). Its model directory exists only on the cluster's nodes, and
+    build_app checks the model first: here it is refused in one line naming it, and a preset in its place builds."""
     from ray import serve
 
     from deployments import build_app
+    from deployments.preflight import AppConfigError
 
-    app = build_app(app_section(production_config())["args"])
+    args = app_section(production_config())["args"]
+    if not os.path.exists(args["model"]):  # as on the test machines
+        with pytest.raises(AppConfigError, match=f"model '{args['model']}': no such directory"):
+            build_app(args)
+    app = build_app({**args, "model": "tiny"})
     assert isinstance(app, serve.Application)
 
 

@@ -126,7 +126,7 @@ def test_health_and_models(client):
     assert r.status_code == 200 and r.json()["status"] == "ok", r.text
     r = client.get("/v1/models")
     assert r.status_code == 200
-    assert [m["id"] for m in r.json()["data"]] == ["tiny"]
+    assert [(m["id"], m["random_weights"]) for m in r.json()["data"]] == [("tiny", True)]
 
 
 BAD_REQUESTS = [

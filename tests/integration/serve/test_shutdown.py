@@ -1,6 +1,7 @@
-"""Graceful shutdown of `serve run` (issue 17, item 5).
+"""Graceful shutdown of `serve run` and of the launcher `python -m deployments` (issue 17, item 5).
 
-`serve run deployments:build_app model=tiny` runs as a subprocess on a free port with its own Ray. Eight
+`serve run deployments:build_app model=tiny` (or the launcher) runs as a subprocess on a free port with its
+own Ray. Eight
 client loops send one-image requests and one long request (many images) is in flight when the process gets
 SIGINT (as Ctrl-C sends it, to the process group) or SIGTERM: every request sent before the signal is
 answered 200, requests after it get 200 (still on their way) or 503 `shutting_down` with Retry-After or a
@@ -41,14 +42,20 @@ def png_url(side: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def command(kind: str, port: int, args: list[str]) -> list[str]:
+    if kind == "launcher":
+        return [sys.executable, "-m", "deployments", f"--port={port}", *args]
+    return [sys.executable, "-m", "tests.serve_run_port", str(port), "deployments:build_app", *args]
+
+
 @pytest.fixture
-def serve_run(tmp_path):
+def serve_run(tmp_path, request):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"}
     log = open(tmp_path / "serve_run.log", "wb")  # noqa: SIM115 - closed below
     args = ["model=tiny", "ingress_batch_size=0", "request_timeout_s=30"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.serve_run_port", str(port), "deployments:build_app", *args],
+        command(request.param, port, args),
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
@@ -68,7 +75,11 @@ SIGNALS = {
 }
 
 
-@pytest.mark.parametrize("how", list(SIGNALS))
+@pytest.mark.parametrize(
+    ("serve_run", "how"),
+    [("serve run", how) for how in SIGNALS] + [("launcher", "SIGTERM to the process")],
+    indirect=["serve_run"],
+)
 def test_a_signal_answers_everything_admitted_and_exits(serve_run, how):
     proc, base, log = serve_run
     send, signum = SIGNALS[how]

@@ -19,6 +19,7 @@ from deployments.encoder_calls import chunk
 from deployments.errors import ErrorCode, RequestError, classify, with_index
 from deployments.inputs import finish_input, open_input, parse_image_string
 from deployments.openai_api import embeddings_body
+from deployments.preflight import AppConfigError
 from deployments.readiness import encoder_ready
 from deployments.replica_pipeline import Work, best_prefix, check_pixels
 from encoder.errors import (
@@ -114,7 +115,7 @@ def test_build_app_from_cli_style_arguments():
     routed = build({"request_router_class": "deployments.router:BucketRouter", "request_router_kwargs": {}})
     config = routed._bound_deployment.init_args[0]._bound_deployment._deployment_config.request_router_config
     assert "BucketRouter" in str(config.request_router_class)
-    with pytest.raises(ValidationError):
+    with pytest.raises(AppConfigError, match="num_replicas"):  # one line, before any replica
         build({"num_replicas": "two"})
 
 

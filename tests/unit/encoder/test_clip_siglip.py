@@ -382,7 +382,8 @@ def test_checkpoint_errors(tmp_path):
 # ------------------------------------------------------------------------------------------ graph runner
 
 
-@pytest.fixture(scope="module", params=["tiny-clip", "tiny-siglip"])
+# SigLIP's graph-runner tests (10 s on the loaded CI box) run in the full suite; CLIP's stay in -m "not slow"
+@pytest.fixture(scope="module", params=["tiny-clip", pytest.param("tiny-siglip", marks=pytest.mark.slow)])
 def pair(request):
     enc = encoder.load(request.param, device="cpu")
     # buckets of 1, 2, 4 and 8 images: batches cross bucket edges and split into several replays

@@ -66,7 +66,8 @@ def test_overrunning_worker_is_killed_and_replaced(pool):
     started = time.monotonic()
     with pytest.raises(DecodeTimeoutError, match=r"longer than the deadline of 0\.5 s"):
         pool.decode(b"sleep", 0.5)
-    assert time.monotonic() - started < 3.0  # the worker sleeps 600 s unless killed
+    # the 0.5 s deadline, then the kill; broken, the worker sleeps its 600 s
+    assert time.monotonic() - started < 30.0
     assert not _running(before)
     assert pool.decode(JPEG, 30.0).shape == (224, 200, 3)  # on the replacement
     assert pool.pids != [before]

@@ -177,7 +177,13 @@ def cases(tmp_path_factory):
 # ---------------------------------------------------------------- equivalence
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# the Qwen3-VL pair (8 s each on the loaded CI box) runs in the full suite; -m "not slow" keeps the others
+SLOW_EXAMPLE = {"qwen3_vl", "qwen3_vl_moe"}
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_EXAMPLE else f for f in FAMILIES]
+)
 def test_example_main_matches_hf_own_tower(cases, family):
     """The example, run as a user would, on a JPEG file: logits and greedy tokens as HF's own path."""
     case = cases(family)

@@ -48,7 +48,7 @@ def test_bf16_matches_fp32(fp32, bf16):
 def test_capture_cost(graph):
     s = graph.stats()
     assert s["captures"] == len(graph.runner.graphs) >= len(graph.table)  # a bucket may have several shapes
-    assert s["capture_seconds"] <= 20, s
+    assert s["capture_seconds"] <= 60, s  # 4.3-7.1 s measured on the H200 (README); a bound, not a benchmark
     assert s["capture_bytes"] <= 3 * 2**30, s  # 77 graphs of the 7B default table: 2.3 GiB measured
 
 

@@ -28,6 +28,7 @@ def assert_same(graph_out, eager_out, tol=1e-5):
         assert rel_err(g, e) <= tol
 
 
+@pytest.mark.slow  # 2 x 200 graph and eager encodes: minutes on a loaded 2-core CPU; the edges below stay fast
 def test_random_splits_with_repeating_totals(pair):
     """>= 200 batches: totals repeat, image splits differ; every output matches eager."""
     enc, graph = pair

@@ -1,0 +1,110 @@
+"""Run the service in the foreground: `python -m deployments [--port 8000] [--host 127.0.0.1] [key=value ...]`.
+
+What `serve run deployments:build_app key=value ...` does, plus what it cannot: the HTTP port and host are
+options (an import path given to `serve run` always gets port 8000), a taken port is refused before anything
+starts (Ray's proxy would share it through SO_REUSEPORT and split the requests with the other service), a
+bad model or argument is one `error:` line, one line says where the service answers once it does, and
+SIGINT / SIGTERM shut it down gracefully and without a traceback: the ingress replicas drain first
+(`deployments.shutdown`: new requests get 503 `shutting_down`, admitted ones are answered), then Serve and
+Ray stop; a second signal stops at once. Exit status: 0 after a requested stop, 2 for bad arguments, a bad
+model or a taken port.
+
+Without `--address` (or RAY_ADDRESS) it starts its own local Ray instance, never a cluster someone else
+started on this machine; with one it joins that cluster (set `RAY_AUTH_MODE=token` to authenticate with the
+token in ~/.ray/auth_token, as `ray start` clusters require in Ray 2.60).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from .preflight import USAGE_EXIT, AppConfigError, check_port_free, ray_address
+
+
+def key_values(items: list[str]) -> dict[str, str]:
+    """`["model=tiny", "num_replicas=2"]` -> a dict of strings (AppArgs coerces them, as for `serve run`)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise AppConfigError(f"application arguments are key=value, got {item!r}")
+        out[key] = value
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("args", nargs="*", metavar="KEY=VALUE", help="AppArgs fields, e.g. model=tiny num_replicas=2")
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP proxy listens on (0.0.0.0: every one)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a Ray instance of our own)"
+    )
+    p.add_argument("--name", default="default", help="application name (serve.get_app_handle(name))")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    from .application import build_app
+    from .config import AppArgs
+    from .shutdown import drain, drain_timeout
+
+    address = ray_address(ns.address)
+    try:
+        values = key_values(ns.args)
+        app = build_app(values)  # checks the arguments and the model, before Ray starts
+        request_timeout_s = AppArgs.model_validate(values).request_timeout_s
+        if address == "local":  # on a cluster the proxies listen on its nodes, not necessarily here
+            check_port_free(ns.host, ns.port)
+    except AppConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return USAGE_EXIT
+
+    import ray
+    from ray import serve
+
+    stop = threading.Event()
+    try:
+        ray.init(address=address, namespace="serve")
+    except KeyboardInterrupt:
+        return 0
+    # after ray.init: Ray's core worker installs a SIGTERM handler that dumps a stack and aborts; ours
+    # replaces it and the main thread stops Serve and Ray in order
+    def on_signal(*_):
+        if stop.is_set():  # a second signal: skip the drain
+            raise KeyboardInterrupt
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    deployed = False
+    try:
+        serve.start(http_options={"host": ns.host, "port": ns.port})
+        if not stop.is_set():
+            serve.run(app, name=ns.name, route_prefix="/", blocking=False)
+            deployed = True
+            host = "127.0.0.1" if ns.host in ("0.0.0.0", "::") else ns.host
+            print(f"vision service ready at http://{host}:{ns.port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        stop.wait()
+        if deployed:  # Serve's shutdown drops what is in flight: finish the admitted requests first
+            drain(drain_timeout(request_timeout_s))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        try:
+            if deployed or address != "local":  # a cluster outlives us: remove the application from it
+                serve.shutdown()
+        except KeyboardInterrupt:
+            pass
+        ray.shutdown()  # our own Ray instance: everything in it stops
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""What is checked on the driver before any replica starts: the arguments, the model, the HTTP port.
+
+A bad `model=` used to be found only inside the encoder replicas, which Serve restarts: three tracebacks and
+42 s later `serve run` exited 0. Here it fails in seconds, once, with one line, and a non-zero exit.
+
+`AppConfigError` is also a `click.ClickException` so that the Serve CLI (`serve run`, `serve build`, which are
+click commands calling `build_app`) prints it as one `Error: ...` line and exits with its `exit_code` instead
+of a traceback; for Python callers it is an ordinary `encoder.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+import click
+
+from encoder.checkpoint import load_config
+from encoder.errors import CheckpointError, ConfigError
+from encoder.hub import ResolvedModel, resolve_model
+
+# the batch CLI's status for bad arguments, so both CLIs agree (README "Exit status")
+USAGE_EXIT = 2
+
+
+class AppConfigError(ConfigError, click.ClickException):
+    """Bad application arguments, a model that cannot be loaded, or a taken port: one line."""
+
+    exit_code = USAGE_EXIT
+
+    def __init__(self, message: str):
+        click.ClickException.__init__(self, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check_model(model: str, *, weights_elsewhere: bool = False) -> ResolvedModel:
+    """`encoder.hub.resolve_model` without downloading weights (the replicas fetch them), as an AppConfigError.
+
+    `weights_elsewhere`: the replicas may run on other nodes than this process (`serve deploy`: the
+    controller builds the app on a head node, which in cluster.yaml holds only the checkpoint's config
+    files), so a directory with a valid config.json but without safetensors is accepted here.
+    """
+    try:
+        return resolve_model(model, download_weights=False)
+    except CheckpointError as exc:
+        path = Path(model).expanduser()
+        if not (weights_elsewhere and path.is_dir() and (path / "config.json").is_file()):
+            raise AppConfigError(str(exc)) from None
+        try:  # the config must still be right: a bad config.json is refused here too
+            config = load_config(path)
+        except (ConfigError, CheckpointError) as bad_config:
+            raise AppConfigError(str(bad_config)) from None
+        return ResolvedModel(model, "dir", model, config, path=path, weights_on_disk=False)
+    except ConfigError as exc:
+        raise AppConfigError(str(exc)) from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on. Ray Serve's proxy binds with SO_REUSEPORT, so a second
+    service started on a taken port shares it silently and the kernel splits the connections between the two;
+    a plain bind (no SO_REUSEPORT) fails on any listener, ours or not."""
+    bind_host = "0.0.0.0" if host in ("", "0.0.0.0", "::") else host
+    with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as sock:
+        try:
+            sock.bind((bind_host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise AppConfigError(
+                    f"port {port} on {host} is already in use (another service, maybe another `serve run`); "
+                    "choose a free one with --port"
+                ) from None
+            raise AppConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def ray_address(explicit: str | None) -> str:
+    """Where our CLIs connect: the address given, else RAY_ADDRESS (`ray job submit` sets it for its drivers),
+    else "local", a Ray instance of our own. Not `ray.init()`'s default: with no address it joins the cluster
+    that `ray start` last started on this machine, which may be another user's."""
+    return explicit or os.environ.get("RAY_ADDRESS") or "local"

@@ -1,0 +1,47 @@
+"""The batch job's driver without a Ray cluster: a bad model or input fails before Ray starts (exit 2, one
+line), the summary of a no-op re-run, the progress line that counts images."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from deployments.batch.__main__ import main
+from deployments.batch.job import JobSummary, Progress
+
+
+def test_a_bad_model_fails_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    connected = ray.is_initialized()  # the full suite's integration tests may have started the session's Ray
+    pq.write_table(pa.table({"id": [1], "image": pa.array([b"x"], pa.binary())}), tmp_path / "in.parquet")
+    args = ["--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out")]
+    assert main([*args, "--model", "/nonexistent/dir"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: model '/nonexistent/dir': no such directory"), err
+    assert main([*args, "--image-column", "picture"]) == 2
+    assert "picture" in capsys.readouterr().err
+    # refused before the output directory is opened, and before Ray is connected
+    assert ray.is_initialized() == connected and not (tmp_path / "out").exists()
+
+
+def test_a_no_op_rerun_says_so_instead_of_a_rate():
+    summary = JobSummary("/out", total_rows=40, total_parts=1, parts_done=1, complete=True)
+    text = summary.text()
+    assert "nothing to do, every part was already written" in text and "images/s" not in text
+    summary.rows, summary.seconds, summary.arrivals = 40, 4.0, [(4.0, 40)]
+    assert "this run: 40 images, 0 error rows, 4.0 s, 10.0 images/s overall (" in summary.text()
+
+
+def test_progress_counts_images_at_most_every_interval(capsys):
+    progress = Progress(100, every_s=5.0)
+    for done, seconds in [(10, 1.0), (20, 2.0), (60, 6.5), (100, 7.0)]:
+        progress.update(done, seconds)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "[deployments.batch] 10/100 images (10%), 10.0 images/s",
+        "[deployments.batch] 60/100 images (60%), 9.2 images/s",
+        "[deployments.batch] 100/100 images (100%), 14.3 images/s",  # the last one always
+    ]
+    Progress(5, enabled=False).update(5, 1.0)
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,145 @@
+"""What `build_app` and the launcher check before any replica starts (`deployments.preflight`), the one-sentence
+`input` schema error, the access-log option and the random-weights mark; no Ray cluster."""
+
+from __future__ import annotations
+
+import socket
+
+import click
+import pytest
+
+from deployments import build_app
+from deployments.__main__ import key_values
+from deployments.config import AppArgs
+from deployments.openai_api import parse_embedding_request
+from deployments.preflight import USAGE_EXIT, AppConfigError, check_model, check_port_free
+from encoder.errors import ConfigError
+from tests.hf_models import write_checkpoint
+from tests.hub_cache import populate, use_cache
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint(directory, "qwen2_5_vl", "full")
+    return directory
+
+
+def one_line(exc_info) -> str:
+    text = str(exc_info.value)
+    assert "\n" not in text and "object at 0x" not in text, text
+    return text
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        ("/nonexistent/dir", "'/nonexistent/dir': no such directory"),
+        ("no-such-preset", "unknown preset 'no-such-preset'"),
+        ("", "model is empty"),
+    ],
+)
+def test_build_app_refuses_a_bad_model_in_one_line(model, expected):
+    with pytest.raises(AppConfigError) as info:
+        build_app({"model": model})
+    text = one_line(info)
+    assert expected in text and "expected a preset (tiny" in text  # what was given, what is accepted
+    # the Serve CLI (click) prints it as one `Error:` line and exits 2, the batch CLI's usage status
+    assert isinstance(info.value, click.ClickException) and isinstance(info.value, ConfigError)
+    assert info.value.exit_code == USAGE_EXIT == 2
+
+
+def test_build_app_refuses_bad_arguments_in_one_line():
+    with pytest.raises(AppConfigError) as info:
+        build_app({"num_replicas": "two", "nmu_gpus": 1})
+    text = one_line(info)
+    assert "num_replicas" in text and "nmu_gpus" in text
+
+
+def test_hub_id_is_checked_offline_from_the_cache(monkeypatch, tmp_path, checkpoint):
+    cache = use_cache(monkeypatch, tmp_path / "hf_home", offline=True)
+    with pytest.raises(AppConfigError, match="HF_HUB_OFFLINE"):
+        build_app({"model": "tiny-org/absent"})
+    populate(cache, "tiny-org/tiny-vl", checkpoint)
+    assert check_model("tiny-org/tiny-vl").kind == "hub"
+    build_app({"model": "tiny-org/tiny-vl"})
+
+
+def test_a_directory_needs_its_weights_unless_they_live_on_other_nodes(checkpoint, tmp_path):
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((checkpoint / "config.json").read_text())
+    with pytest.raises(AppConfigError, match="no model.safetensors"):
+        check_model(str(config_only))
+    # `serve deploy`: the controller on a head node that holds only the config files
+    assert check_model(str(config_only), weights_elsewhere=True).weights_on_disk is False
+    (config_only / "config.json").write_text("{not json")
+    with pytest.raises(AppConfigError):  # a broken config is refused even then
+        check_model(str(config_only), weights_elsewhere=True)
+    with pytest.raises(AppConfigError, match="no such directory"):
+        check_model(str(tmp_path / "absent"), weights_elsewhere=True)
+
+
+def test_a_taken_port_is_refused_even_when_shared_with_so_reuseport():
+    with socket.socket() as plain:
+        plain.bind(("127.0.0.1", 0))
+        plain.listen()
+        port = plain.getsockname()[1]
+        with pytest.raises(AppConfigError, match=f"port {port} on 127.0.0.1 is already in use"):
+            check_port_free("127.0.0.1", port)
+        with pytest.raises(AppConfigError, match="already in use"):  # 0.0.0.0 covers 127.0.0.1
+            check_port_free("0.0.0.0", port)
+    with socket.socket() as shared:  # how Ray Serve's proxy binds: a second proxy would share it silently
+        shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        shared.bind(("127.0.0.1", 0))
+        shared.listen()
+        with pytest.raises(AppConfigError, match="already in use"):
+            check_port_free("127.0.0.1", shared.getsockname()[1])
+        port = shared.getsockname()[1]
+    check_port_free("127.0.0.1", port)  # free again
+
+
+def test_launcher_arguments_are_key_values():
+    assert key_values(["model=tiny", "num_replicas=2", "api_key=a=b"]) == {
+        "model": "tiny", "num_replicas": "2", "api_key": "a=b"
+    }  # fmt: skip
+    with pytest.raises(AppConfigError, match="key=value"):
+        key_values(["tiny"])
+
+
+def test_access_logs_are_off_unless_asked_for():
+    def access_logs(app) -> tuple[bool, bool]:
+        ingress = app._bound_deployment
+        encoder = ingress.init_args[0]._bound_deployment
+        return tuple(d._deployment_config.logging_config["enable_access_log"] for d in (ingress, encoder))
+
+    assert access_logs(build_app({})) == (False, False)
+    assert access_logs(build_app({"access_log": "true"})) == (True, True)
+
+
+def test_random_weights_are_marked(checkpoint):
+    assert AppArgs(model="tiny").random_weights and AppArgs(model="qwen2.5-vl-7b").random_weights
+    assert not AppArgs(model=str(checkpoint)).random_weights and not AppArgs(model="Qwen/X").random_weights
+
+
+@pytest.mark.parametrize(
+    "body, sentence",
+    [
+        (b'{"input": []}', "input is an empty list; send at least one image"),
+        (b"{}", "input is required: an image (a data URL or base64 string) or a non-empty list of them"),
+        (b'{"input": 5}', "input must be an image (a data URL or base64 string) or a non-empty list of them"),
+        (b'{"input": null}', "input must be an image (a data URL or base64 string) or a non-empty list of them"),
+        (b'{"input": ["a", 3, ["b"]]}', "input[1], input[2] must be a string (a data URL or base64 image)"),
+    ],
+)
+def test_a_bad_input_is_one_sentence_not_pydantic_union_noise(body, sentence):
+    with pytest.raises(Exception) as info:
+        parse_embedding_request(body)
+    assert str(info.value) == sentence and info.value.param == "input"
+
+
+def test_other_schema_errors_keep_their_field_next_to_the_input_sentence():
+    with pytest.raises(Exception) as info:
+        parse_embedding_request(b'{"input": [], "pooling": "max"}')
+    text = str(info.value)
+    assert "input is an empty list" in text and "pooling: Input should be" in text and "list[str]" not in text
