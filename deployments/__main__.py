@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=address, namespace="serve")
     except KeyboardInterrupt:
         return 0
+
     # after ray.init: Ray's core worker installs a SIGTERM handler that dumps a stack and aborts; ours
     # replaces it and the main thread stops Serve and Ray in order
     def on_signal(*_):
