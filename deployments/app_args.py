@@ -23,6 +23,13 @@ API_KEY_ENV = "VISION_API_KEY"
 _CONFIG = ConfigDict(extra="forbid", frozen=True)
 
 
+def _queue_limit(v: int) -> int:
+    """Serve's queue limits: -1 (no limit) or positive; 0 would refuse everything."""
+    if v == 0:
+        raise ValueError("a queue limit is -1 (no limit) or positive")
+    return v
+
+
 class ModelArgs(BaseModel):
     """The model and how it is loaded."""
 
@@ -188,9 +195,7 @@ class ReplicaArgs(BaseModel):
     @field_validator("max_queued_requests")
     @classmethod
     def _encoder_queue_limit(cls, v: int) -> int:
-        if v == 0:
-            raise ValueError("a queue limit is -1 (no limit) or positive")
-        return v
+        return _queue_limit(v)
 
 
 class IngressArgs(BaseModel):
@@ -259,9 +264,7 @@ class IngressArgs(BaseModel):
     @field_validator("ingress_max_queued_requests")
     @classmethod
     def _ingress_queue_limit(cls, v: int) -> int:
-        if v == 0:
-            raise ValueError("a queue limit is -1 (no limit) or positive")
-        return v
+        return _queue_limit(v)
 
 
 class LimitArgs(BaseModel):
