@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine import make_batch, use_backend  # noqa: E402
+from engine import linear_flops_per_patch, make_batch, timed, use_backend  # noqa: E402
 
 import encoder  # noqa: E402
 import encoder.geometry  # noqa: E402
@@ -40,21 +40,6 @@ MARKS: list[tuple[float, str]] = []
 def mark(name: str) -> None:
     torch.cuda.synchronize()
     MARKS.append((time.time(), name))
-
-
-def timed(fn, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def captured(fn):
@@ -77,7 +62,7 @@ def rounds(cases: dict, n: int, iters: int) -> dict[str, float]:
     for _ in range(n):
         for name, fn in cases.items():
             mark(f"start {name}")
-            got[name].append(timed(fn, iters))
+            got[name].append(timed(fn, iters, warmup=2))
             mark(f"end {name}")
     return {k: statistics.median(v) for k, v in got.items()}
 
@@ -156,41 +141,27 @@ def run(args) -> int:
     results: dict[str, float] = {}
 
     with torch.inference_mode():
-        # unpadded MLP: eager, runner, replay, own graph
-        g0 = workspace.GraphEncoder(base, buckets=buckets, pad_mlp=0)
-        shape0 = used_shape(g0, args.images, per)
-        own0 = captured(lambda: tower.forward_packed(pv, frames, bounds))
-        r = rounds(
-            {
-                "eager (as loaded)": lambda: base.run_packed(batch),
-                "runner.run (pad 0)": lambda: g0.runner.run(batch.pixel_values, batch.grid_thw),
-                "replay (pad 0)": g0.runner.graphs[shape0].replay,
-                "own graph (pad 0)": own0,
-            },
-            args.rounds,
-            args.iters,
-        )
-        results.update(r)
-        print(f"graph shapes captured (pad 0): {len(g0.runner.graphs)}; replayed {shape0}", flush=True)
-        g0 = own0 = r = None  # the pad-0 graphs go before the layout changes
+
+        def phase(pad_mlp: int | None, suffix: str, eager: str):
+            """Eager, runner, replay alone and own capture of one MLP layout, in interleaved rounds."""
+            kw = {} if pad_mlp is None else {"pad_mlp": pad_mlp}
+            graph = workspace.GraphEncoder(base, buckets=buckets, **kw)
+            shape = used_shape(graph, args.images, per)
+            cases = {
+                eager: lambda: base.run_packed(batch),
+                f"runner.run{suffix}": lambda: graph.runner.run(batch.pixel_values, batch.grid_thw),
+                f"replay{suffix}": graph.runner.graphs[shape].replay,
+                f"own graph{suffix}": captured(lambda: tower.forward_packed(pv, frames, bounds)),
+            }
+            results.update(rounds(cases, args.rounds, args.iters))
+            print(f"graph shapes captured: {len(graph.runner.graphs)}; replayed {shape}", flush=True)
+            return graph, shape
+
+        phase(0, " (pad 0)", "eager (as loaded)")  # its graphs go before the layout change below
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        # padded MLP (the default GraphEncoder)
-        g = workspace.GraphEncoder(base, buckets=buckets)
-        shape = used_shape(g, args.images, per)
-        own = captured(lambda: tower.forward_packed(pv, frames, bounds))
-        r = rounds(
-            {
-                "eager (fused)": lambda: base.run_packed(batch),
-                "runner.run": lambda: g.runner.run(batch.pixel_values, batch.grid_thw),
-                "replay": g.runner.graphs[shape].replay,
-                "own graph": own,
-            },
-            args.rounds,
-            args.iters,
-        )
-        results.update(r)
-        flops = encoder_flops(cfg) * total
+        g, shape = phase(None, "", "eager (fused)")  # the default GraphEncoder: MLP width padded
+        flops = linear_flops_per_patch(cfg) * total
         print(f"\n## {args.model} {args.images}x{args.side}² ({total} patches), backend {args.backend}\n")
         print("| case | ms | TFLOP/s (linear) |\n| --- | ---: | ---: |")
         for k, v in results.items():
@@ -198,7 +169,7 @@ def run(args) -> int:
         sys.stdout.flush()
         kernel_table(lambda: base.run_packed(batch), "eager (fused)", args.rows)
         kernel_table(g.runner.graphs[shape].replay, "replay", args.rows)
-        g = own = None
+        g = None
         torch.cuda.empty_cache()
         isolated(total, cfg.width, cfg.mlp_dim)
     return 0
@@ -209,12 +180,6 @@ def used_shape(graph, images: int, per: int):
     runner = graph.runner
     (key,) = runner.table.keys
     return next(s for s in runner.shapes[key] if s.holds(images, per))
-
-
-def encoder_flops(cfg) -> float:
-    from engine import linear_flops_per_patch
-
-    return linear_flops_per_patch(cfg)
 
 
 def summarize_clocks(path: str) -> None:
