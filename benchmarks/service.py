@@ -60,6 +60,9 @@ SERVE_MODES = {
 }
 
 
+SKIPPABLE = {"engine", "handle", "http", "idle"}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-vl-7b")
@@ -84,6 +87,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine-batch", type=int, default=32)
     p.add_argument("--quick", action="store_true", help="short phases, few clients (a CPU smoke run)")
     p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument("--skip", default="", help=f"phase groups to leave out (comma list): {', '.join(sorted(SKIPPABLE))}")
     p.add_argument(
         "--http-variants", default="",
         help="extra HTTP phases after the pooled one, comma list of pooling-format[-dtype], e.g. "
@@ -92,6 +96,9 @@ def parse_args() -> argparse.Namespace:
     a = p.parse_args()
     if a.quick:
         a.duration, a.clients, a.engine_batch = 2.0, min(a.clients, 8), min(a.engine_batch, 8)
+    a.skip = set(filter(None, a.skip.split(",")))
+    if a.skip - SKIPPABLE:
+        p.error(f"--skip: unknown phase groups {sorted(a.skip - SKIPPABLE)}")
     return a
 
 
@@ -308,11 +315,29 @@ async def encoder_report(before: dict[str, dict], label: str) -> None:
               f"depth {s['pipeline_depth']}, last {s['timings_ms']}", file=sys.stderr, flush=True)  # fmt: skip
 
 
+async def mid_phase_timings(label: str, delay: float) -> None:
+    """After `delay` seconds (inside a measured phase): the medians of the last requests' phases in every
+    ingress replica (HTTP / handle phases, each encoder call's round trip) and in the encoder replicas."""
+    from ray import serve
+
+    await asyncio.sleep(delay)
+    ingress = await replica_stats(serve.get_app_handle("bench").ingress_stats, 24)
+    encoders = await replica_stats(serve.get_deployment_handle("VisionEncoder", "bench").stats, 8)
+    for rid, stats in sorted(ingress.items()):
+        print(f"  [{label}] mid-phase ingress {rid}: {stats['timings_ms']}", file=sys.stderr, flush=True)
+    for rid, stats in sorted(encoders.items()):
+        print(f"  [{label}] mid-phase encoder {rid}: {stats['timings_ms']}", file=sys.stderr, flush=True)
+
+
 async def measured(a, name: str, kind: str, target, payloads, clients: int, per_call: int = 1) -> dict:
     from ray import serve
 
     before = await replica_stats(serve.get_deployment_handle("VisionEncoder", "bench").stats)
+    print(f"phase {name} start", file=sys.stderr, flush=True)  # profilers started beside this wait for it
+    # warm-up (up to 1 s), then the measured part: sample its middle
+    sample = asyncio.ensure_future(mid_phase_timings(name, min(1.0, a.duration / 4) + a.duration / 2))
     result = await load(a, kind, target, payloads, clients, per_call)
+    await sample
     await encoder_report(before, name)
     return result
 
@@ -377,19 +402,25 @@ async def service_phases(a, gpus: int, base_url: str) -> list[dict]:
     handle = deploy(app_args(a, gpus))
     pp_dict = (await handle.info.remote())["preprocess"]
     imgs = images(224, 64, PreprocessConfig.model_validate(pp_dict), seed=1)
-    rows = [row("handle x1", await measured(a, "handle x1", "handle", handle, [[x] for x in imgs], a.clients))]
-    batches = [imgs[:32], imgs[32:]]
-    rows.append(row("handle x32", await measured(a, "handle x32", "handle", handle, batches, a.clients, per_call=32)))
+    rows = []
+    if "handle" not in a.skip:
+        rows.append(row("handle x1", await measured(a, "handle x1", "handle", handle, [[x] for x in imgs], a.clients)))
+        batches = [imgs[:32], imgs[32:]]
+        rows.append(
+            row("handle x32", await measured(a, "handle x32", "handle", handle, batches, a.clients, per_call=32))
+        )
     bodies = [png_body(x) for x in imgs]
-    rows.append(row("http", await measured(a, "http", "http", base_url, bodies, a.clients)))
+    if "http" not in a.skip:
+        rows.append(row("http", await measured(a, "http", "http", base_url, bodies, a.clients)))
     for spec in filter(None, a.http_variants.split(",")):
         variant = [png_body(x, **http_variant(spec)) for x in imgs]
         rows.append(row(f"http {spec}", await measured(a, f"http {spec}", "http", base_url, variant, a.clients)))
-    idle = await run_load("http", base_url, bodies, 1, min(a.duration, 5))
-    rows.append(row("http idle (1 conn)", idle))
-    idle = await run_load("handle", handle, [[x] for x in imgs], 1, min(a.duration, 5))
-    rows.append(row("handle idle (1 caller)", idle))
-    rows += await idle_breakdown(handle, base_url, imgs[0], bodies[0])
+    if "idle" not in a.skip:
+        idle = await run_load("http", base_url, bodies, 1, min(a.duration, 5))
+        rows.append(row("http idle (1 conn)", idle))
+        idle = await run_load("handle", handle, [[x] for x in imgs], 1, min(a.duration, 5))
+        rows.append(row("handle idle (1 caller)", idle))
+        rows += await idle_breakdown(handle, base_url, imgs[0], bodies[0])
     for rid, stats in sorted((await replica_stats(handle.ingress_stats, 4 * a.ingress_replicas)).items()):
         print(f"  ingress replica {rid}: {stats}", file=sys.stderr)
     serve.delete("bench")
@@ -449,7 +480,7 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpus = torch.cuda.device_count()
-    rows = engine_phase(a, device)
+    rows = engine_phase(a, device) if "engine" not in a.skip else []
     gc.collect()  # the engine's graphs and pool go before the replicas capture theirs
     if gpus:
         torch.cuda.empty_cache()
@@ -462,7 +493,7 @@ def main() -> None:
         rows += run_async(serve_phases(a, gpus, f"http://127.0.0.1:{port}"))
     finally:
         ray.shutdown()
-    engine = max(r["img_s"] for r in rows if r["phase"].startswith("engine"))
+    engine = max((r["img_s"] for r in rows if r["phase"].startswith("engine")), default=float("nan"))
     print(f"\nmodel {a.model} on {torch.cuda.get_device_name() if gpus else 'CPU'}; {a.clients} clients, "
           f"{a.duration:g}s per phase; replicas/GPU {a.replicas_per_gpu}, ingress replicas {a.ingress_replicas}, "
           f"ingress batch {a.ingress_batch_size}, batcher {a.batcher}, pipeline depth {a.pipeline_depth or 'default'}, "

@@ -12,7 +12,14 @@ num_patches=n)` (per-token LLM-ready outputs in a wire dtype):
 * cancelling: a call given up (deadline, client gone, a sibling pack failed) is cancelled at the encoder
   too (`aio.await_cancelling`), and a request's packs not yet sent are not sent;
 * retries: a call whose replica died or is unavailable is retried with backoff (encoding is idempotent);
-* transport: payloads above 2 MiB of pixels go by reference (the object store), smaller ones inline.
+* transport: a call goes by reference (Ray's object store, as a Ray actor task) when its pixels exceed 2 MiB
+  or its answer is expected to exceed 256 KiB (`answer_bytes`: per-token outputs), else inline over gRPC
+  in Ray's throughput mode. Over gRPC the encoder replica pickles the answer into the response message on
+  its event loop, holding the GIL through every copy (pickle, protobuf, the gRPC slice), and the ingress
+  copies it as often again: for a bfloat16 answer of 3 224x224 images (1.4 MB) that work stretched the
+  encoder replica's batches and every caller's wait (BENCHMARKS.md, issue 14). By reference, its numpy
+  buffers are written into shared memory (Ray copies them without the GIL) and the ingress reads them in
+  place, with no copy before the base64 pass.
 
 `info()` is the encoder's `describe()`, fetched once, with the application's decode limits wired into its
 preprocessing.
@@ -23,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -38,14 +46,17 @@ from .batching import ContinuousBatcher
 from .config import AppArgs
 from .errors import UNAVAILABLE_ERRORS
 from .inputs import ingress_preprocess_config
+from .llm_outputs import wire_itemsize
 from .metrics import IngressTelemetry
 from .ray_compat import by_reference, call_as_new_request
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
 
-# Encoder requests with more pixel bytes than this go by reference (object store), not inline over gRPC.
+# Encoder requests with more pixel bytes than this, or answers expected above _INLINE_ANSWER_BYTES, go by
+# reference (object store), not inline over gRPC (see the module docstring).
 _INLINE_BYTES = 2 * 2**20
+_INLINE_ANSWER_BYTES = 256 * 2**10
 
 
 @dataclass
@@ -74,6 +85,19 @@ def chunk(counts: list[int], max_patches: int, max_images: int) -> list[tuple[in
     if counts:
         ranges.append((start, len(counts)))
     return ranges
+
+
+def answer_bytes(info: dict, counts: list[int], pooling: str, llm: str | None) -> int:
+    """The bytes of an encoder call's answer for images of `counts` patches: per image a pooled vector, a
+    float32 token matrix (`pooling="none"`) or the LLM-ready outputs in the wire dtype `llm` (tokens and
+    each DeepStack layer). `info`: the encoder's `describe()` (`EncoderClient.info`)."""
+    if llm is None and pooling != "none":
+        return 4 * len(counts) * info["output_dims"].get(pooling, info["out_dim"])
+    m = info["preprocess_config"].merge_size
+    tokens = sum(c // (m * m) for c in counts)
+    if llm is None:
+        return 4 * tokens * info["output_dims"].get("none", info["out_dim"])
+    return wire_itemsize(llm) * tokens * info["out_dim"] * (1 + info["deepstack_layers"])
 
 
 def backoff_s(attempt: int, base_s: float, cap_s: float = 2.0) -> float:
@@ -177,13 +201,25 @@ class EncoderClient:
         parts = chunk(counts, info["max_batch_patches"], info["max_batch_images"])
 
         def call(s: int, e: int):
-            handle = self._encoder_by_ref if sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES else self._encoder
+            big = (
+                sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES
+                or answer_bytes(info, counts[s:e], pooling, llm) > _INLINE_ANSWER_BYTES
+            )
+            handle = self._encoder_by_ref if big else self._encoder
             n = sum(counts[s:e])
             if llm is not None:
                 method, kwargs = handle.encode_llm_pixels, {"dtype": llm, "num_patches": n, "deadline": deadline}
             else:
                 method, kwargs = handle.encode_pixels, {"pooling": pooling, "num_patches": n, "deadline": deadline}
-            return lambda: await_cancelling(call_as_new_request(method, arrays[s:e], **kwargs))
+            route = "by_reference" if big else "inline"
+
+            async def timed() -> list:
+                started = time.perf_counter()
+                out = await await_cancelling(call_as_new_request(method, arrays[s:e], **kwargs))
+                self._telemetry.timings["encoder_call"].add(**{route: time.perf_counter() - started})
+                return out
+
+            return timed
 
         if len(parts) == 1:
             self._telemetry.count("encoder_requests")

@@ -41,6 +41,11 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
+def wire_itemsize(dtype: str) -> int:
+    """Bytes per element of the wire `dtype`."""
+    return _NUMPY[check_dtype(dtype)].itemsize
+
+
 def to_wire(x: torch.Tensor | np.ndarray, dtype: str) -> np.ndarray:
     """A CPU tensor or array -> a C-contiguous numpy array in the wire `dtype`; one already in it (and
     C-contiguous) is returned as it is, a tensor as a view of its memory."""

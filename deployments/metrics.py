@@ -87,11 +87,17 @@ _ANSWER_COUNTS = {
 class IngressTelemetry:
     """Everything an ingress replica records about its requests, behind one object: the Prometheus
     metrics (`metrics`), counters for `ingress_stats()` (`count`, `answered`) and, per route, the phases of
-    the last requests (`timings`: parse, decode, encoder call, answer)."""
+    the last requests (`timings`: parse, decode, encoder call, answer; and each encoder call's round trip)."""
 
     def __init__(self) -> None:
         self.metrics = IngressMetrics()
-        self.timings = {"http": RecentTimings(), "handle": RecentTimings(), "inline_decode": RecentTimings()}
+        self.timings = {
+            "http": RecentTimings(),
+            "handle": RecentTimings(),
+            "inline_decode": RecentTimings(),
+            # each encoder call's round trip, by transport ("inline" over gRPC, "by_reference")
+            "encoder_call": RecentTimings(),
+        }
         self.counts = {
             "merged_calls": 0,
             "merged_batches": 0,

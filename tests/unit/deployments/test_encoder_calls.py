@@ -1,0 +1,99 @@
+"""`EncoderClient`'s transport per encoder call: inline (gRPC in Ray's throughput mode) or by reference (the
+object store) for big pixels or big answers. Fake handles record which one each call took; no Ray needed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from deployments.config import AppArgs
+from deployments.encoder_calls import EncoderClient, answer_bytes
+from deployments.metrics import IngressTelemetry
+from encoder.preprocess import PreprocessConfig
+
+PP = PreprocessConfig()  # patch 14, merge 2: a 224x224 image is 256 patches, 64 tokens
+DESCRIBE = {
+    "out_dim": 3584,
+    "output_dims": {"mean": 3584, "none": 3584},
+    "deepstack_layers": 0,
+    "preprocess": PP.model_dump(mode="json"),
+    "max_batch_patches": 65536,
+    "max_batch_images": 64,
+}
+
+
+def test_answer_bytes_counts_vectors_token_matrices_and_wire_dtypes():
+    info = DESCRIBE | {"preprocess_config": PP}
+    counts = [256, 1024]  # 224x224 and 448x448: 64 and 256 tokens
+    assert answer_bytes(info, counts, "mean", None) == 2 * 3584 * 4
+    assert answer_bytes(info, counts, "none", None) == 320 * 3584 * 4  # float32 token matrices
+    assert answer_bytes(info, counts, "none", "bfloat16") == 320 * 3584 * 2
+    assert answer_bytes(info, counts, "none", "float32") == 320 * 3584 * 4
+    deepstack = info | {"deepstack_layers": 3}
+    assert answer_bytes(deepstack, counts, "none", "float16") == 4 * 320 * 3584 * 2  # tokens + 3 layers
+
+
+class _Response:
+    """What a handle call returns: awaitable, cancellable."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def __await__(self):
+        async def value():
+            return self._value
+
+        return value().__await__()
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Method:
+    def __init__(self, calls: list, name: str, by_reference: bool):
+        self._calls, self._name, self._by_reference = calls, name, by_reference
+
+    def remote(self, pixels=None, **kwargs):
+        if self._name == "describe":
+            return _Response(dict(DESCRIBE))
+        self._calls.append((self._name, len(pixels), self._by_reference))
+        return _Response([None] * len(pixels))
+
+
+class _Encoder:
+    """A DeploymentHandle stand-in: `options(_by_reference=True)` gives the by-reference handle."""
+
+    def __init__(self, calls: list, by_reference: bool = False):
+        self._calls, self._by_reference = calls, by_reference
+
+    def options(self, _by_reference: bool = False) -> _Encoder:
+        return _Encoder(self._calls, _by_reference)
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(self._calls, name, self._by_reference)
+
+
+def test_big_answers_and_big_pixels_go_by_reference_small_calls_inline():
+    calls: list = []
+    telemetry = IngressTelemetry()
+    client = EncoderClient(_Encoder(calls), AppArgs(ingress_batch_size=0), telemetry)
+    img = np.zeros((224, 224, 3), np.uint8)  # 150 KB of pixels, 256 patches
+
+    async def main():
+        await client.encode([img], "mean")  # 14 KB answer
+        await client.encode([img] * 3, "mean")
+        await client.encode([img], "none", llm="bfloat16")  # 64 x 3584 x 2 = 459 KB answer
+        await client.encode([img], "none")  # float32 tokens: 917 KB
+        await client.encode([img] * 15, "mean")  # 2.3 MB of pixels
+
+    asyncio.run(main())
+    assert calls == [
+        ("encode_pixels", 1, False),
+        ("encode_pixels", 3, False),
+        ("encode_llm_pixels", 1, True),
+        ("encode_pixels", 1, True),
+        ("encode_pixels", 15, True),
+    ]
+    rounds = telemetry.snapshot()["timings_ms"]["encoder_call"]
+    assert rounds["n"] == 5 and {"inline", "by_reference"} <= rounds.keys()
