@@ -240,6 +240,39 @@ def quick_gelu(h: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# -- per-image means ---------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _segment_means_kernel(tok_ptr, cu_ptr, out_ptr, n_cols, divisor, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one (slot, column block): the slot's rows summed in float32 in row order, over its row count
+        slot = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < n_cols
+        start = tl.load(cu_ptr + slot).to(tl.int64) // divisor
+        end = tl.load(cu_ptr + slot + 1).to(tl.int64) // divisor
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for r0 in range(start, end, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            ptr = tok_ptr + rows[:, None] * n_cols + cols[None, :]
+            acc += tl.sum(tl.load(ptr, mask=(rows < end)[:, None] & col_ok[None, :], other=0.0).to(tl.float32), 0)
+        tl.store(out_ptr + slot * n_cols + cols, acc / tl.maximum(end - start, 1).to(tl.float32), mask=col_ok)
+
+
+def segment_means_fused(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int, divisor: int) -> torch.Tensor:
+    """`tower.segment_means` in one launch (the reference took 15 small kernels, 35 µs of a 1x224 replay):
+    only rows inside a slot are read, so padding rows never matter."""
+    # tokens: [T, D] contiguous; cu_tokens: [slots + 1] int -> [slots, D] float32
+    assert tokens.dim() == 2 and cu_tokens.shape == (slots + 1,), (tokens.shape, cu_tokens.shape)
+    tokens = tokens.contiguous()
+    out = torch.empty(slots, tokens.shape[1], dtype=torch.float32, device=tokens.device)
+    block_d = 256
+    _segment_means_kernel[(slots, triton.cdiv(tokens.shape[1], block_d))](
+        tokens, cu_tokens, out, tokens.shape[1], divisor, BLOCK_R=16, BLOCK_D=block_d, num_warps=4
+    )
+    return out
+
+
 # -- GEMMs with their neighbours folded in (cuBLAS) -----------------------------------------------
 def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """gelu_tanh(x @ W.T + b): on CUDA one cuBLASLt GEMM whose epilogue adds the bias and applies the

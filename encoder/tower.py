@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .attention import AttentionBackend
 
 
@@ -76,15 +77,18 @@ class GraphTower(Protocol):
     def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput: ...
 
 
-def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int) -> torch.Tensor:
-    """Per-slot mean of packed tokens, from data: `cu_tokens` [slots + 1] token boundaries.
+def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int, divisor: int = 1) -> torch.Tensor:
+    """Per-slot mean of packed tokens, from data: `cu_tokens // divisor` [slots + 1] token boundaries.
 
-    Rows past the last boundary (padding) are masked to 0 first (a NaN there would otherwise reach
-    every mean through 0 * NaN); empty slots get 0. A one-hot GEMM ([slots, T] x [T, D]) rather than
-    `index_add_`: deterministic (no atomics).
+    Rows past the last boundary (padding) never reach a mean (a NaN there would otherwise reach every
+    mean through 0 * NaN); empty slots get 0. On CUDA one Triton launch summing each slot's rows in a
+    fixed order (`kernels.segment_means_fused`); the reference is a one-hot GEMM ([slots, T] x [T, D])
+    rather than `index_add_`: deterministic (no atomics) either way.
     """
     # tokens: [T, D]; cu_tokens: [slots + 1] int
-    ends = cu_tokens[1:].long()
+    if kernels.fused(tokens):
+        return kernels.segment_means_fused(tokens, cu_tokens, slots, divisor)
+    ends = cu_tokens[1:].long() // divisor
     t = torch.arange(tokens.shape[0], device=tokens.device)
     slot = torch.searchsorted(ends, t, right=True)  # == slots for padding rows
     onehot = (slot[None, :] == torch.arange(slots, device=tokens.device)[:, None]).float()
