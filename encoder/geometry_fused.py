@@ -21,7 +21,7 @@ try:
 except ImportError:  # CPU-only installs: geometry.compute_meta uses the torch reference
     triton = None
 
-BLOCK_U = 16  # merge units per program (x merge_unit x head_dim cos/sin values each)
+BLOCK_U = 4  # merge units per program (x merge_unit x head_dim cos/sin values each; 16 spilled registers)
 BLOCK_K = 256  # window boundaries per program
 
 if triton is not None:

@@ -32,6 +32,7 @@ else:
     _IMPORT_ERROR = None
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ROTARY_MAX_SEQLEN = 256  # longest segments `forward_rotary` is offered for (`rotary_backend`)
 _MAX_HEAD_DIM = 256
 
 
@@ -181,10 +182,10 @@ if triton is not None:
             k = tl.load(k_ptrs, mask=k_mask, other=0.0)
             if ROTARY:
                 k_half = tl.load(k_ptrs + (rot_d - offs_d)[:, None], mask=k_mask, other=0.0).to(tl.float32)
-                t_off = (base + rows_n)[None, :] * HEAD_DIM + offs_d[:, None]
-                c = tl.load(COS + t_off, mask=k_mask, other=0.0)
-                sn = tl.load(SIN + t_off, mask=k_mask, other=0.0)
-                k = (k.to(tl.float32) * c + k_half * sign[:, None] * sn).to(K.dtype.element_ty)
+                kt_off = (base + rows_n)[None, :] * HEAD_DIM + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
+                kc = tl.load(COS + kt_off, mask=k_mask, other=0.0)
+                ks = tl.load(SIN + kt_off, mask=k_mask, other=0.0)
+                k = (k.to(tl.float32) * kc + k_half * sign[:, None] * ks).to(K.dtype.element_ty)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(n_ok[None, :], s, float("-inf"))
             # the first tile always holds >= 1 real key, so m_new is finite from the start
@@ -227,7 +228,9 @@ class TritonVarlenAttention(AttentionBackend):
         return None
 
     def rotary_backend(self, max_seqlen: int, head_dim: int) -> AttentionBackend | None:
-        return self
+        # short segments only (windows, one small image), where the launch saved is most of the cost: each
+        # query block rotates every key tile of its segment again, and the rotary variant runs unpipelined
+        return self if max_seqlen <= ROTARY_MAX_SEQLEN else None
 
     def forward_rotary(self, q, k, v, cu_seqlens, max_seqlen: int, out, cos, sin) -> torch.Tensor:
         # q, k, v, out: [S, H, D]; cos, sin: [S, D] float32 (the rotary tables in the tokens' order)
@@ -284,7 +287,9 @@ class TritonVarlenAttention(AttentionBackend):
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             ROTARY=rotary is not None,
             num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            # pipelining the rotary's float32 cos/sin tiles takes 98-164 KiB of shared memory (sm_90, 64 x 64
+            # tiles, 2-3 stages) against 48 KiB unpipelined: the short segments it serves gain nothing from it
+            num_stages=1 if rotary else cfg.num_stages,
         )
         if dst is not out:
             # only rows inside segments were computed; copy those, leave padding rows as they were
