@@ -259,11 +259,25 @@ if triton is not None:
         tl.store(out_ptr + slot * n_cols + cols, acc / tl.maximum(end - start, 1).to(tl.float32), mask=col_ok)
 
 
-def segment_means_fused(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int, divisor: int) -> torch.Tensor:
-    """`tower.segment_means` in one launch (the reference took 15 small kernels, 35 µs of a 1x224 replay):
-    only rows inside a slot are read, so padding rows never matter."""
-    # tokens: [T, D] contiguous; cu_tokens: [slots + 1] int -> [slots, D] float32
+def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int, divisor: int = 1) -> torch.Tensor:
+    """Per-slot mean of packed tokens, from data: `cu_tokens // divisor` [slots + 1] token boundaries.
+
+    Rows past the last boundary (padding) never reach a mean (a NaN there would otherwise reach every
+    mean through 0 * NaN); empty slots get 0. On CUDA one Triton launch summing each slot's rows in row
+    order (the reference below took 15 small kernels, 35 µs of a 1x224 replay); the reference is a one-hot
+    GEMM ([slots, T] x [T, D]) rather than `index_add_`: deterministic (no atomics) either way.
+    """
+    # tokens: [T, D]; cu_tokens: [slots + 1] int -> [slots, D] float32
     assert tokens.dim() == 2 and cu_tokens.shape == (slots + 1,), (tokens.shape, cu_tokens.shape)
+    if not fused(tokens):
+        ends = cu_tokens[1:].long() // divisor
+        t = torch.arange(tokens.shape[0], device=tokens.device)
+        slot = torch.searchsorted(ends, t, right=True)  # == slots for padding rows
+        onehot = (slot[None, :] == torch.arange(slots, device=tokens.device)[:, None]).float()
+        real = (slot < slots)[:, None]
+        sums = onehot @ torch.where(real, tokens.float(), 0.0)
+        counts = (ends - F.pad(ends[:-1], (1, 0))).clamp(min=1)
+        return sums / counts[:, None]
     tokens = tokens.contiguous()
     out = torch.empty(slots, tokens.shape[1], dtype=torch.float32, device=tokens.device)
     block_d = 256

@@ -19,7 +19,7 @@ from .attention import AttentionBackend
 from .config import Qwen25VLVisionConfig, VisionConfig
 from .fusion import concat_linears, pad_hidden, pad_linear, round_up
 from .geometry import VisionMeta, compute_meta, count_windows
-from .kernels import add_norm, fused, linear_float32_out, quick_gelu, rotary_qkv, silu_mul
+from .kernels import add_norm, linear_float32_out, quick_gelu, rotary_qkv, silu_mul
 from .tower import Bounds, TowerOutput, backends_per_kind, frames_dummy, segment_means
 
 
@@ -51,15 +51,8 @@ class VisionAttention(nn.Module):
         s, d = x.shape
         # padding rows of `out` are zeroed by the rotary pass (no backend writes them)
         out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=x.dtype, device=x.device)
-        qkv = self.qkv(x)  # [S, 3D]
-        # a backend that rotates q and k itself saves the rotary launch (and zeroes the padding rows)
-        fast = self.backend.rotary_backend(max_seqlen, d // self.num_heads) if fused(qkv) else None
-        if fast is not None:
-            q, k, v = qkv.view(s, 3, self.num_heads, d // self.num_heads).unbind(1)
-            fast.forward_rotary(q, k, v, cu_seqlens, max_seqlen, out, cos, sin)
-        else:
-            q, k, v = rotary_qkv(qkv, cos, sin, self.num_heads, out, cu_seqlens)  # each [S, H, D/H]
-            self.backend(q, k, v, cu_seqlens, max_seqlen, out)
+        q, k, v = rotary_qkv(self.qkv(x), cos, sin, self.num_heads, out, cu_seqlens)  # each [S, H, D/H]
+        self.backend(q, k, v, cu_seqlens, max_seqlen, out)
         return self.proj(out.view(s, d))
 
 

@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
-from . import kernels
 from .attention import AttentionBackend
+from .kernels import segment_means  # noqa: F401  (the towers' and tests' name for it)
 
 
 @dataclass(frozen=True)
@@ -75,27 +74,6 @@ class GraphTower(Protocol):
     def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor: ...
 
     def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput: ...
-
-
-def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int, divisor: int = 1) -> torch.Tensor:
-    """Per-slot mean of packed tokens, from data: `cu_tokens // divisor` [slots + 1] token boundaries.
-
-    Rows past the last boundary (padding) never reach a mean (a NaN there would otherwise reach every
-    mean through 0 * NaN); empty slots get 0. On CUDA one Triton launch summing each slot's rows in a
-    fixed order (`kernels.segment_means_fused`); the reference is a one-hot GEMM ([slots, T] x [T, D])
-    rather than `index_add_`: deterministic (no atomics) either way.
-    """
-    # tokens: [T, D]; cu_tokens: [slots + 1] int
-    if kernels.fused(tokens):
-        return kernels.segment_means_fused(tokens, cu_tokens, slots, divisor)
-    ends = cu_tokens[1:].long() // divisor
-    t = torch.arange(tokens.shape[0], device=tokens.device)
-    slot = torch.searchsorted(ends, t, right=True)  # == slots for padding rows
-    onehot = (slot[None, :] == torch.arange(slots, device=tokens.device)[:, None]).float()
-    real = (slot < slots)[:, None]
-    sums = onehot @ torch.where(real, tokens.float(), 0.0)
-    counts = (ends - F.pad(ends[:-1], (1, 0))).clamp(min=1)
-    return sums / counts[:, None]
 
 
 def frames_dummy(budget: int, max_images: int, bounds: Bounds, merge: int) -> torch.Tensor:

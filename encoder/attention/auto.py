@@ -68,9 +68,6 @@ class AutoAttention(AttentionBackend):
     def forward(self, q, k, v, cu_seqlens, max_seqlen, out):
         return self.choose(max_seqlen, q.shape[-1]).forward(q, k, v, cu_seqlens, max_seqlen, out)
 
-    def rotary_backend(self, max_seqlen: int, head_dim: int) -> AttentionBackend | None:
-        return self.choose(max_seqlen, head_dim).rotary_backend(max_seqlen, head_dim)
-
     def describe(self) -> str:
         """e.g. "triton (segments <= 256), fa4 (<= 4096)": each backend with the largest bound it ran."""
         if not self.chosen:

@@ -52,16 +52,6 @@ class AttentionBackend(ABC):
         non-decreasing, cu_seqlens[0] == 0, cu_seqlens[-1] <= S. Returns `out`.
         """
 
-    def rotary_backend(self, max_seqlen: int, head_dim: int) -> AttentionBackend | None:
-        """The backend that runs segments of up to `max_seqlen` tokens if it can rotate q and k itself
-        (`forward_rotary`: one launch fewer per layer), else None."""
-        return None
-
-    def forward_rotary(self, q, k, v, cu_seqlens, max_seqlen: int, out, cos, sin) -> torch.Tensor:
-        """`forward` of q, k rotated by the 2D rotary tables cos/sin ([S, D] float32, halves equal), which
-        also zeroes `out`'s padding rows (as `kernels.rotary_qkv` does when given `out`); q, k unchanged."""
-        raise NotImplementedError(f"{self.name} does not fuse the rotary embedding")
-
     def __call__(self, q, k, v, cu_seqlens, max_seqlen, out):
         # q: [S, H, D] packed tokens; boundary checks stay cheap and host-only (shapes, not data)
         assert q.dim() == 3 and q.shape == k.shape == v.shape == out.shape, (q.shape, k.shape, out.shape)

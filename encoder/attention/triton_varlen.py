@@ -32,7 +32,6 @@ else:
     _IMPORT_ERROR = None
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ROTARY_MAX_SEQLEN = 256  # longest segments `forward_rotary` is offered for (`rotary_backend`)
 _MAX_HEAD_DIM = 256
 
 
@@ -113,36 +112,16 @@ if triton is not None:
         stride_oh,
         num_heads,
         num_m_blocks,
-        COS,  # [S, HEAD_DIM] float32 rotary tables (ROTARY only)
-        SIN,
-        n_attn,  # programs of attention tiles; the ones past them zero padding rows (ROTARY only)
-        last,  # index of cu_seqlens' last entry
-        total,  # rows of q / out
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        ROTARY: tl.constexpr,
     ):
         # 1-D grid (axis 0 allows 2^31 programs; axes 1/2 stop at 65535, which many small windows
         # times heads could pass). Query block varies fastest so the programs sharing one segment's
         # K/V run together and hit L2.
         pid = tl.program_id(0)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < HEAD_DIM
-        if ROTARY:
-            if pid >= n_attn:  # zero a block of out's rows past cu_seqlens[last] (bucket padding)
-                rows = (pid - n_attn) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-                pad = (rows >= tl.load(CU + last)) & (rows < total)
-                zero = tl.zeros([BLOCK_M, BLOCK_D], dtype=Out.dtype.element_ty)
-                for h in range(num_heads):
-                    o_ptrs = Out + rows[:, None] * stride_os + h * stride_oh + offs_d[None, :]
-                    tl.store(o_ptrs, zero, mask=pad[:, None] & d_ok[None, :])
-                return
-            # rotate_half: column d reads d + D/2 (negated) in the first half, d - D/2 in the second
-            rot_d = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
-            sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)
         m_block = pid % num_m_blocks
         rest = pid // num_m_blocks
         head = rest % num_heads
@@ -157,17 +136,12 @@ if triton is not None:
         base = seg_start.to(tl.int64)
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
         m_ok = offs_m < seg_len
 
         q_ptrs = Q + (base + offs_m)[:, None] * stride_qs + head * stride_qh + offs_d[None, :]
-        q_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-        if ROTARY:  # in float32, rounded to the input dtype: what kernels.rotary_qkv stores
-            q_half = tl.load(q_ptrs + (rot_d - offs_d)[None, :], mask=q_mask, other=0.0).to(tl.float32)
-            t_off = (base + offs_m)[:, None] * HEAD_DIM + offs_d[None, :]
-            c = tl.load(COS + t_off, mask=q_mask, other=0.0)
-            sn = tl.load(SIN + t_off, mask=q_mask, other=0.0)
-            q = (q.to(tl.float32) * c + q_half * sign[None, :] * sn).to(Q.dtype.element_ty)
+        q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -178,14 +152,7 @@ if triton is not None:
             n_ok = rows_n < seg_len
             # K loaded transposed [BLOCK_D, BLOCK_N] so QK^T is a plain dot
             k_ptrs = K + (base + rows_n)[None, :] * stride_ks + head * stride_kh + offs_d[:, None]
-            k_mask = n_ok[None, :] & d_ok[:, None]
-            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-            if ROTARY:
-                k_half = tl.load(k_ptrs + (rot_d - offs_d)[:, None], mask=k_mask, other=0.0).to(tl.float32)
-                kt_off = (base + rows_n)[None, :] * HEAD_DIM + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
-                kc = tl.load(COS + kt_off, mask=k_mask, other=0.0)
-                ks = tl.load(SIN + kt_off, mask=k_mask, other=0.0)
-                k = (k.to(tl.float32) * kc + k_half * sign[:, None] * ks).to(K.dtype.element_ty)
+            k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(n_ok[None, :], s, float("-inf"))
             # the first tile always holds >= 1 real key, so m_new is finite from the start
@@ -227,21 +194,7 @@ class TritonVarlenAttention(AttentionBackend):
                 return "bf16 is not computed correctly by the Triton CPU interpreter"
         return None
 
-    def rotary_backend(self, max_seqlen: int, head_dim: int) -> AttentionBackend | None:
-        # short segments only (windows, one small image), where the launch saved is most of the cost: each
-        # query block rotates every key tile of its segment again, and the rotary variant runs unpipelined
-        return self if max_seqlen <= ROTARY_MAX_SEQLEN else None
-
-    def forward_rotary(self, q, k, v, cu_seqlens, max_seqlen: int, out, cos, sin) -> torch.Tensor:
-        # q, k, v, out: [S, H, D]; cos, sin: [S, D] float32 (the rotary tables in the tokens' order)
-        assert cos.shape == sin.shape == (q.shape[0], q.shape[2]) and cos.dtype == torch.float32, cos.shape
-        assert out.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-        return self._launch(q, k, v, cu_seqlens, max_seqlen, out, (cos, sin))
-
     def forward(self, q, k, v, cu_seqlens, max_seqlen, out):
-        return self._launch(q, k, v, cu_seqlens, max_seqlen, out, None)
-
-    def _launch(self, q, k, v, cu_seqlens, max_seqlen, out, rotary):
         total, heads, head_dim = q.shape
         num_segments = cu_seqlens.numel() - 1
         if total == 0 or num_segments <= 0 or max_seqlen <= 0:
@@ -253,10 +206,7 @@ class TritonVarlenAttention(AttentionBackend):
 
         cfg = pick_config(q.dtype, head_dim, max_seqlen)
         num_m_blocks = triton.cdiv(max_seqlen, cfg.block_m)
-        n_attn = num_m_blocks * heads * num_segments
-        # with rotary, the programs past the attention tiles zero out's padding rows, BLOCK_M each
-        grid = (n_attn + (triton.cdiv(total, cfg.block_m) if rotary else 0),)
-        cos, sin = rotary if rotary else (q, q)
+        grid = (num_m_blocks * heads * num_segments,)
         _varlen_fwd_kernel[grid](
             q,
             k,
@@ -274,22 +224,14 @@ class TritonVarlenAttention(AttentionBackend):
             dst.stride(1),
             heads,
             num_m_blocks,
-            cos,
-            sin,
-            n_attn,
-            num_segments,
-            total,
             HEAD_DIM=head_dim,
             BLOCK_D=_block_d(head_dim),
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             # tf32 would cost fp32 inputs ~1e-3 relative error; fp32 is the accuracy path, not the fast one
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            ROTARY=rotary is not None,
             num_warps=cfg.num_warps,
-            # pipelining the rotary's float32 cos/sin tiles takes 98-164 KiB of shared memory (sm_90, 64 x 64
-            # tiles, 2-3 stages) against 48 KiB unpipelined: the short segments it serves gain nothing from it
-            num_stages=1 if rotary else cfg.num_stages,
+            num_stages=cfg.num_stages,
         )
         if dst is not out:
             # only rows inside segments were computed; copy those, leave padding rows as they were
