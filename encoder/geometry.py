@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import Qwen25VLVisionConfig, VisionConfig
+from .geometry_fused import fused_meta
+from .kernels import fused
 
 
 @dataclass
@@ -59,6 +61,27 @@ def rotary_inv_freq(cfg: VisionConfig, device) -> torch.Tensor:
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half))
 
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+
+def _meta_fused(frames_hw: torch.Tensor, total: int, cfg: VisionConfig, max_seqlen: int, window_slots: int):
+    key = (frames_hw.device, cfg.head_dim, cfg.rope_theta)
+    inv_freq = _INV_FREQ.get(key)
+    if inv_freq is None:
+        inv_freq = rotary_inv_freq(cfg, frames_hw.device)
+        if not (inv_freq.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept unless in a graph pool
+            _INV_FREQ[key] = inv_freq
+    qwen25 = isinstance(cfg, Qwen25VLVisionConfig)
+    assert not qwen25 or window_slots > 0, window_slots
+    n = cfg.window_units if qwen25 else 0
+    cu, cos, sin, cu_window, index, inverse = fused_meta(
+        frames_hw, total, inv_freq, cfg.spatial_merge_size, cfg.head_dim, n, window_slots
+    )
+    if not qwen25:
+        return VisionMeta(cu, max_seqlen, cos, sin)
+    return VisionMeta(cu, max_seqlen, cos, sin, cu_window, window_tokens(cfg), index, inverse)
+
+
 def compute_meta(
     frames_hw: torch.Tensor,
     total: int,
@@ -69,8 +92,11 @@ def compute_meta(
     """Geometry for `total` packed tokens whose frames are `frames_hw` ([F, 2] int64, device).
 
     `window_slots` is the static number of window segments (>= the real count; extra ones are
-    empty). Tokens past the frames' sum are padding.
+    empty). Tokens past the frames' sum are padding. On CUDA one Triton launch (`geometry_fused`);
+    the torch ops below are its reference.
     """
+    if fused(frames_hw):
+        return _meta_fused(frames_hw, total, cfg, max_seqlen, window_slots)
     dev = frames_hw.device
     m, mu = cfg.spatial_merge_size, cfg.merge_unit
     h, w = frames_hw[:, 0].long(), frames_hw[:, 1].long()

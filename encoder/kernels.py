@@ -10,6 +10,7 @@ elsewhere (CPU, or `ENCODER_FUSED=0` to compare).
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -239,6 +240,53 @@ def quick_gelu(h: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# -- per-image means ---------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _segment_means_kernel(tok_ptr, cu_ptr, out_ptr, n_cols, divisor, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one (slot, column block): the slot's rows summed in float32 in row order, over its row count
+        slot = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < n_cols
+        start = tl.load(cu_ptr + slot).to(tl.int64) // divisor
+        end = tl.load(cu_ptr + slot + 1).to(tl.int64) // divisor
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for r0 in range(start, end, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            ptr = tok_ptr + rows[:, None] * n_cols + cols[None, :]
+            acc += tl.sum(tl.load(ptr, mask=(rows < end)[:, None] & col_ok[None, :], other=0.0).to(tl.float32), 0)
+        tl.store(out_ptr + slot * n_cols + cols, acc / tl.maximum(end - start, 1).to(tl.float32), mask=col_ok)
+
+
+def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int, divisor: int = 1) -> torch.Tensor:
+    """Per-slot mean of packed tokens, from data: `cu_tokens // divisor` [slots + 1] token boundaries.
+
+    Rows past the last boundary (padding) never reach a mean (a NaN there would otherwise reach every
+    mean through 0 * NaN); empty slots get 0. On CUDA one Triton launch summing each slot's rows in row
+    order (the reference below took 15 small kernels, 35 µs of a 1x224 replay); the reference is a one-hot
+    GEMM ([slots, T] x [T, D]) rather than `index_add_`: deterministic (no atomics) either way.
+    """
+    # tokens: [T, D]; cu_tokens: [slots + 1] int -> [slots, D] float32
+    assert tokens.dim() == 2 and cu_tokens.shape == (slots + 1,), (tokens.shape, cu_tokens.shape)
+    if not fused(tokens):
+        ends = cu_tokens[1:].long() // divisor
+        t = torch.arange(tokens.shape[0], device=tokens.device)
+        slot = torch.searchsorted(ends, t, right=True)  # == slots for padding rows
+        onehot = (slot[None, :] == torch.arange(slots, device=tokens.device)[:, None]).float()
+        real = (slot < slots)[:, None]
+        sums = onehot @ torch.where(real, tokens.float(), 0.0)
+        counts = (ends - F.pad(ends[:-1], (1, 0))).clamp(min=1)
+        return sums / counts[:, None]
+    tokens = tokens.contiguous()
+    out = torch.empty(slots, tokens.shape[1], dtype=torch.float32, device=tokens.device)
+    block_d = 256
+    _segment_means_kernel[(slots, triton.cdiv(tokens.shape[1], block_d))](
+        tokens, cu_tokens, out, tokens.shape[1], divisor, BLOCK_R=16, BLOCK_D=block_d, num_warps=4
+    )
+    return out
+
+
 # -- GEMMs with their neighbours folded in (cuBLAS) -----------------------------------------------
 def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """gelu_tanh(x @ W.T + b): on CUDA one cuBLASLt GEMM whose epilogue adds the bias and applies the
@@ -254,6 +302,41 @@ def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
 # torch.mm(..., out_dtype=) (16-bit inputs, float32 output) exists from torch 2.8 on
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
+if triton is not None:
+
+    @triton.jit
+    def _split_hi_lo_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+        # one row: out[row] = [hi | lo], hi = x rounded to out's dtype, lo = x - hi rounded again
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        hi = x.to(out_ptr.dtype.element_ty)
+        lo = (x - hi.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * 2 * n_cols + cols, hi, mask=mask)
+        tl.store(out_ptr + row * 2 * n_cols + n_cols + cols, lo, mask=mask)
+
+
+_DOUBLED: dict[int, tuple] = {}  # id(weight) -> (weakref, version, [W | W])
+
+
+def _doubled(weight: torch.Tensor) -> torch.Tensor:
+    """[W | W] ([N, 2K]), kept per weight (and its version) so a replay does not rebuild it: a concatenation
+    made inside a graph capture is recorded and not kept (its memory belongs to the capture's pool)."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor: no version counter, so no cache
+        return torch.cat([weight, weight], dim=1)
+    hit = _DOUBLED.get(id(weight))
+    if hit is not None and hit[0]() is weight and hit[1] == version:
+        return hit[2]
+    doubled = torch.cat([weight, weight], dim=1)
+    if not torch.cuda.is_current_stream_capturing():
+        for key in [k for k, v in _DOUBLED.items() if v[0]() is None]:  # weights gone: drop their copies
+            del _DOUBLED[key]
+        _DOUBLED[id(weight)] = (weakref.ref(weight), version, doubled)
+    return doubled
+
 
 def linear_float32_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ b) in float32 for float32 x and 16-bit W, without rounding x to 16 bits.
@@ -267,9 +350,11 @@ def linear_float32_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and _MM_OUT_DTYPE:
         s, kdim = x.shape
         split = torch.empty(s, 2 * kdim, dtype=weight.dtype, device=x.device)
-        split[:, :kdim] = x
-        torch.sub(x, split[:, :kdim], out=split[:, kdim:])
-        doubled = torch.cat([weight, weight], dim=1)  # [N, 2K]: tiny next to the activations
-        y = torch.mm(split, doubled.t(), out_dtype=torch.float32)
+        if fused(x) and x.is_contiguous():
+            _split_hi_lo_kernel[(s,)](x, split, kdim, BLOCK=triton.next_power_of_2(kdim), num_warps=4)
+        else:
+            split[:, :kdim] = x
+            torch.sub(x, split[:, :kdim], out=split[:, kdim:])
+        y = torch.mm(split, _doubled(weight).t(), out_dtype=torch.float32)
         return y if bias is None else y.add_(bias.float())
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float())

@@ -190,7 +190,7 @@ class QwenVisionTower(nn.Module):
         # frames' sum: padding). Geometry from data, so the same ops replay for any split.
         meta = compute_meta(frames_hw, pixel_values.shape[0], self.cfg, bounds.max_seqlen, bounds.window_slots)
         tokens = self(pixel_values, meta)  # [S / mu, out_dim]
-        means = segment_means(tokens, meta.cu_seqlens // self.merge_unit, frames_hw.shape[0])
+        means = segment_means(tokens, meta.cu_seqlens, frames_hw.shape[0], self.merge_unit)
         return TowerOutput(tokens, means)
 
     def forward_features(self, pixel_values: torch.Tensor, meta: VisionMeta) -> torch.Tensor:

@@ -210,5 +210,5 @@ class Qwen3VisionTower(nn.Module):
             if i in self.deepstack_at:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_at[i]](x, delta))
         tokens = self.merger(x, delta)
-        means = segment_means(tokens, meta.cu_seqlens // cfg.merge_unit, frames_hw.shape[0])
+        means = segment_means(tokens, meta.cu_seqlens, frames_hw.shape[0], cfg.merge_unit)
         return TowerOutput(tokens=tokens, means=means, deepstack=deepstack)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
 from .attention import AttentionBackend
+from .kernels import segment_means  # noqa: F401  (the towers' and tests' name for it)
 
 
 @dataclass(frozen=True)
@@ -74,24 +74,6 @@ class GraphTower(Protocol):
     def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor: ...
 
     def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput: ...
-
-
-def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int) -> torch.Tensor:
-    """Per-slot mean of packed tokens, from data: `cu_tokens` [slots + 1] token boundaries.
-
-    Rows past the last boundary (padding) are masked to 0 first (a NaN there would otherwise reach
-    every mean through 0 * NaN); empty slots get 0. A one-hot GEMM ([slots, T] x [T, D]) rather than
-    `index_add_`: deterministic (no atomics).
-    """
-    # tokens: [T, D]; cu_tokens: [slots + 1] int
-    ends = cu_tokens[1:].long()
-    t = torch.arange(tokens.shape[0], device=tokens.device)
-    slot = torch.searchsorted(ends, t, right=True)  # == slots for padding rows
-    onehot = (slot[None, :] == torch.arange(slots, device=tokens.device)[:, None]).float()
-    real = (slot < slots)[:, None]
-    sums = onehot @ torch.where(real, tokens.float(), 0.0)
-    counts = (ends - F.pad(ends[:-1], (1, 0))).clamp(min=1)
-    return sums / counts[:, None]
 
 
 def frames_dummy(budget: int, max_images: int, bounds: Bounds, merge: int) -> torch.Tensor:

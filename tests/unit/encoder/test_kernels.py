@@ -7,6 +7,7 @@ import torch
 
 import encoder
 from encoder import kernels
+from encoder.tower import segment_means
 from tests.graph_cases import random_batch, rel_err
 
 needs_triton = pytest.mark.skipif(kernels.triton is None, reason="triton is not installed")
@@ -67,6 +68,14 @@ def check_kernels(monkeypatch, device, dtype, rows, tol):
     h = r(rows, 300)
     got, ref = run_both(monkeypatch, kernels.quick_gelu, h)
     assert rel_err(got, ref) <= tol
+    # per-slot means: boundaries in patches (divisor 2), an empty slot, NaN in the padding rows
+    toks = r(rows, 300)
+    q = rows // 5
+    toks[4 * q :] = float("nan")
+    cu = torch.tensor([0, 2 * q, 2 * q, 8 * q], dtype=torch.int32, device=device)
+    got, ref = run_both(monkeypatch, segment_means, toks, cu, 3, 2)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all() and not got[1].any()
+    assert rel_err(got, ref) <= 1e-5
 
 
 @needs_triton

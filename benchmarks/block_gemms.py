@@ -1,0 +1,85 @@
+"""The four GEMMs of a Qwen2.5-VL-7B block (bias, bf16) at few rows, 20 calls per CUDA graph, µs per call.
+
+Run under different cuBLAS environments (`CUBLASLT_WORKSPACE_SIZE`, `DISABLE_ADDMM_CUDA_LT`) to see whether
+the library picks other kernels: `python benchmarks/block_gemms.py --rows 256,1024`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (1280, 3840), "proj": (1280, 1280), "gate_up": (1280, 6912), "down": (3456, 1280)}
+
+
+def per_call_us(fn, calls: int = 20, reps: int = 30) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", default="256,1024")
+    p.add_argument("--layers", type=int, default=8, help="distinct layers for the cold-weights sequence")
+    args = p.parse_args()
+    env = {k: os.environ[k] for k in ("CUBLASLT_WORKSPACE_SIZE", "DISABLE_ADDMM_CUDA_LT") if k in os.environ}
+    for rows in map(int, args.rows.split(",")):
+        cells = []
+        for name, (k, n) in SHAPES.items():
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+            bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            cells.append(f"{name} {per_call_us(lambda x=x, w=w, b=bias: F.linear(x, w, b)):.1f}")
+        total = sum(float(c.split()[1]) for c in cells)
+        print(f"rows {rows} env {env or 'default'}: " + ", ".join(cells) + f"; sum {total:.1f} µs", flush=True)
+        sequence(rows, args.layers)
+    return 0
+
+
+def sequence(rows: int, layers: int) -> None:
+    """A block's four GEMMs in order over `layers` distinct weight sets (more bytes than L2 holds, as in the
+    tower) vs the same set `layers` times (weights L2-hot): µs per block, one graph each."""
+    sets = []
+    for _ in range(layers):
+        sets.append([(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5,
+                      torch.randn(n, device="cuda", dtype=torch.bfloat16)) for k, n in SHAPES.values()])  # fmt: skip
+    xs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k, _ in SHAPES.values()}
+
+    def run(chosen):
+        for layer in chosen:
+            for (k, _), (w, b) in zip(SHAPES.values(), layer, strict=True):
+                F.linear(xs[k], w, b)
+
+    cold = per_call_us(lambda: run(sets), calls=1) / layers
+    hot = per_call_us(lambda: run([sets[0]] * layers), calls=1) / layers
+    print(
+        f"rows {rows}: a block's 4 GEMMs in sequence, {layers} distinct layers {cold:.1f} µs/block, "
+        f"one layer repeated {hot:.1f} µs/block",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
