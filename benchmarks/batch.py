@@ -44,7 +44,8 @@ except ImportError:  # run as a script from a checkout: make the repo root impor
 import encoder  # noqa: E402
 from deployments.batch import JobConfig, run_job  # noqa: E402
 from deployments.batch.model_facts import plan_for_actors, preprocess_config_for, rows_per_batch  # noqa: E402
-from encoder.preprocess import load_image, num_patches, patchify_many, resize_image  # noqa: E402
+from encoder.patchify import patchify_many
+from encoder.preprocess import load_image, num_patches, resize_image  # noqa: E402
 from workspace import GraphEncoder  # noqa: E402
 
 # ------------------------------------------------------------------------------------- data

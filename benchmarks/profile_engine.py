@@ -60,7 +60,7 @@ def main() -> int:
 
 
 def profile_launch(args) -> int:
-    from encoder.preprocess import stack_patchify
+    from encoder.patchify import stack_patchify
     from workspace import GraphEncoder
 
     eng = GraphEncoder(encoder.load(args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend))

@@ -139,7 +139,7 @@ def http_variant(spec: str) -> dict:
 def engine_phase(a, device: str) -> list[dict]:
     import encoder
     from deployments.config import AppArgs, replica_plan
-    from encoder.preprocess import stack_patchify
+    from encoder.patchify import stack_patchify
     from workspace import GraphEncoder
 
     vision = encoder.load(a.model, device=device, dtype=a.dtype, attention=a.attention)

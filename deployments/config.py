@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, model_validator
 
-from encoder.attention import graph_token_cap
 from workspace.tables import BucketPlan, process_plan, shape_of_encoder
 
 from .app_args import (
@@ -114,6 +113,8 @@ def resolve_device(args: AppArgs, num_gpus: float) -> str:
 def replica_plan(args: AppArgs, vision, device: str) -> BucketPlan:
     """The bucket table and batch limits of an encoder replica running `vision` (a loaded
     `encoder.VisionEncoder`) on `device`: `workspace.tables.process_plan` of the app's arguments."""
+    from encoder.attention import graph_token_cap  # torch: replicas only (the ingress never imports it)
+
     return process_plan(
         shape_of_encoder(vision),
         device,

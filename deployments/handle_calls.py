@@ -13,8 +13,8 @@ import asyncio
 import time
 from functools import partial
 
-from encoder.api import check_pooling
 from encoder.errors import EncoderError
+from encoder.poolings import check_pooling
 
 from .config import AppArgs
 from .decoding import IngressDecoder

@@ -13,21 +13,23 @@ Wire dtypes (`EMBEDDING_DTYPES`):
   * `bfloat16`: the top 16 bits of float32 with round-to-nearest-even (torch's cast), held as `np.uint16`
     bit patterns (numpy has no bfloat16): `torch.from_numpy(x).view(torch.bfloat16)` reads them.
     On the GPU the tower runs in bfloat16, so this is its own output, exactly.
+
+The ingress casts numpy arrays (float32 answers of the encoder) with numpy alone, the same rounding as torch's
+casts: it never imports torch (tensors, on the replica side, go through torch).
 """
 
 from __future__ import annotations
 
-import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from encoder.errors import InvalidArgumentError
 
+if TYPE_CHECKING:
+    import torch
+
 EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
-_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-#: the torch dtype the engine casts to on the device for each wire dtype
-WIRE_TORCH_DTYPES = {"float32": torch.float32, **_TORCH}
 _VIEW = {"float16": np.float16, "bfloat16": np.uint16}
 _NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
 
@@ -46,22 +48,40 @@ def wire_itemsize(dtype: str) -> int:
     return _NUMPY[check_dtype(dtype)].itemsize
 
 
+def wire_torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype the engine casts to on the device for the wire `dtype`."""
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[check_dtype(dtype)]
+
+
+def _bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even; NaN -> 0xFFFF (a NaN, and what
+    torch's vectorised CPU cast gives: the bits equal the torch path this replaces)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16  # no overflow: finite and inf stay below 2**32
+    out = rounded.astype(np.uint16)
+    out[np.isnan(x)] = 0xFFFF
+    return out
+
+
 def to_wire(x: torch.Tensor | np.ndarray, dtype: str) -> np.ndarray:
     """A CPU tensor or array -> a C-contiguous numpy array in the wire `dtype`; one already in it (and
     C-contiguous) is returned as it is, a tensor as a view of its memory."""
-    if isinstance(x, np.ndarray) and x.dtype == _NUMPY[dtype]:
-        return np.ascontiguousarray(x)
-    if isinstance(x, torch.Tensor) and x.dtype == WIRE_TORCH_DTYPES[dtype] and x.is_contiguous() and dtype != "float32":
+    if isinstance(x, np.ndarray):
+        if x.dtype == _NUMPY[dtype]:
+            return np.ascontiguousarray(x)
+        if dtype == "bfloat16":
+            return _bfloat16_bits(x)
+        return np.ascontiguousarray(x, dtype=_NUMPY[dtype])  # float16: IEEE round to nearest even, as torch
+    import torch
+
+    if x.dtype == wire_torch_dtype(dtype) and x.is_contiguous() and dtype != "float32":
         return x.view(torch.int16).numpy().view(_VIEW[dtype])
     if dtype == "float32":
-        out = x.numpy() if isinstance(x, torch.Tensor) else x
-        return np.ascontiguousarray(out, dtype=np.float32)
-    if isinstance(x, np.ndarray):
-        with warnings.catch_warnings():  # arrays Ray deserialised are read-only; the cast only reads them
-            warnings.simplefilter("ignore", UserWarning)
-            x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        return np.ascontiguousarray(x.numpy(), dtype=np.float32)
     # torch's casts are vectorised and round to nearest even (bfloat16: the top 16 bits, rounded)
-    return x.to(_TORCH[dtype]).contiguous().view(torch.int16).numpy().view(_VIEW[dtype])
+    return x.to(wire_torch_dtype(dtype)).contiguous().view(torch.int16).numpy().view(_VIEW[dtype])
 
 
 def from_wire(x: np.ndarray) -> np.ndarray:

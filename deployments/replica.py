@@ -23,9 +23,10 @@ import numpy as np
 from ray import serve
 
 import encoder
-from encoder.api import POOLINGS, check_pooling, vector_pooling
+from encoder.api import vector_pooling
 from encoder.errors import EncoderError, InvalidArgumentError
-from encoder.preprocess import stack_patchify
+from encoder.patchify import stack_patchify
+from encoder.poolings import POOLINGS, check_pooling
 from workspace import GraphEncoder
 
 from .config import AppArgs, replica_plan, resolve_device, resolve_num_gpus

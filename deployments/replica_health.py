@@ -17,7 +17,8 @@ import ray
 import torch
 
 from encoder.errors import InvalidArgumentError
-from encoder.preprocess import PreprocessConfig, stack_patchify
+from encoder.patchify import stack_patchify
+from encoder.preprocess import PreprocessConfig
 
 from .metrics import ReplicaMetrics
 

@@ -25,13 +25,14 @@ import torch
 from ray import serve
 
 from encoder.errors import EncoderError, InvalidArgumentError, InvalidImageError
-from encoder.preprocess import PreprocessConfig, stack_patchify
+from encoder.patchify import stack_patchify
+from encoder.preprocess import PreprocessConfig
 from workspace import GraphEncoder
 from workspace.buckets import BucketTable
 from workspace.tables import BucketPlan
 
 from .batching import ContinuousBatcher
-from .llm_outputs import WIRE_TORCH_DTYPES, wire_outputs
+from .llm_outputs import wire_outputs, wire_torch_dtype
 from .metrics import RecentTimings, ReplicaMetrics
 from .replica_health import sticky_device_error
 
@@ -272,7 +273,7 @@ class DevicePipeline:
             if llm is None:
                 p = self.engine.encode_async(batch, pooling)
             else:  # 16-bit wire types are cast on the device: half the bytes to copy, no host cast
-                p = self.engine.encode_llm_async(batch, WIRE_TORCH_DTYPES[llm])
+                p = self.engine.encode_llm_async(batch, wire_torch_dtype(llm))
             pending.append((members, llm, p))
 
         def finish() -> list[list]:  # results thread

@@ -5,7 +5,8 @@ resolution, `encoder.vit`); models named by a preset, a checkpoint directory or 
 (`encoder.hub.resolve_model`); poolings "none", "mean", "model", "mean-l2", "model-l2" (`encoder.api`).
 """
 
-from .api import POOLINGS, VisionEncoder, load
+from importlib import import_module
+
 from .config import ClipVisionConfig, Qwen2VLVisionConfig, Qwen3VLVisionConfig, Qwen25VLVisionConfig, SiglipVisionConfig
 from .errors import (
     BackendUnavailableError,
@@ -21,10 +22,29 @@ from .errors import (
     InvalidImageError,
     RandomWeightsWarning,
 )
-from .hub import ResolvedModel, resolve_model
-from .patch_batch import PatchBatch
-from .preprocess_vit import VitPreprocessConfig
+from .poolings import POOLINGS
 from .presets import PRESETS
+
+# Names whose modules import torch are loaded on first use (PEP 562): processes that only decode and check
+# images (the ingress replicas, their decode workers) import `encoder.<module>` without paying torch's
+# ~2.7 s of import and ~200 MB of memory.
+_LAZY = {
+    "VisionEncoder": "api",
+    "load": "api",
+    "ResolvedModel": "hub",
+    "resolve_model": "hub",
+    "PatchBatch": "patch_batch",
+    "VitPreprocessConfig": "preprocess_vit",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "POOLINGS",

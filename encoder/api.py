@@ -28,14 +28,14 @@ from .geometry import frames_of
 from .hub import ResolvedModel, resolve_model
 from .outputs import LLMOutput
 from .patch_batch import PatchBatch
-from .preprocess import PreprocessConfig, preprocess
+from .patchify import preprocess
+from .poolings import check_pooling
+from .preprocess import PreprocessConfig
 from .preprocess_vit import VitPreprocessConfig, check_matches_model, preprocess_vit
 from .qwen import QwenVisionTower
 from .qwen3 import Qwen3VisionTower
 from .tower import TowerOutput
 from .vit import VitTower, build_vit_tower
-
-POOLINGS = ("none", "mean", "model", "mean-l2", "model-l2")
 
 
 def is_fixed_resolution(config: VisionConfig) -> bool:
@@ -88,13 +88,6 @@ def pool_outputs(tokens: torch.Tensor, counts: list[int], pooling: str) -> list[
 
 def l2_normalize(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.nn.functional.normalize(v, dim=-1) for v in vectors]
-
-
-def check_pooling(pooling: str) -> None:
-    """The name is known (family-independent; `resolve_pooling` checks that the model supports it)."""
-    if not isinstance(pooling, str) or pooling not in POOLINGS:
-        shown = repr(pooling) if isinstance(pooling, str) else f"of type {type(pooling).__name__}"
-        raise InvalidArgumentError(f"unknown pooling {shown}; expected one of {', '.join(POOLINGS)}")
 
 
 def resolve_pooling(pooling: str | None, config: VisionConfig) -> str:

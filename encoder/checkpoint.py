@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import VisionConfig, from_hf_dict
 from .errors import CheckpointError, ConfigError, reason
+
+if TYPE_CHECKING:  # torch is imported where weights are read: checking a model (`build_app`'s preflight) needs none
+    import torch
 
 _PREFIXES = ("model.visual.", "visual.", "vision_tower.", "")
 
@@ -164,6 +167,8 @@ def _check_unexpected(directory: Path, files: list[Path], prefix: str, expected:
 
 def load_weights(model: torch.nn.Module, directory: Path) -> None:
     """Copy the checkpoint's vision weights into `model`, checking names and shapes."""
+    import torch
+
     params = dict(model.state_dict())
     prefixes = getattr(model, "checkpoint_prefixes", _PREFIXES)
     top_level = getattr(model, "checkpoint_top_level", ())

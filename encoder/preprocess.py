@@ -5,8 +5,10 @@ The pipeline is split so the service can ship compact data between processes:
     load_image (bytes / PIL / array -> RGB PIL)  ->  resize_image (-> uint8 HWC at the smart_resize size)
     ->  patchify (uint8 torch tensor on any device -> float32 patches in the Hugging Face order)
 
-`preprocess` runs all three and returns a `PatchBatch` whose `pixel_values` / `grid_thw` match
-`Qwen2VLImageProcessorPil` output. Details that matter for exactness (all mirrored from transformers 5.x):
+This module holds the first two (Pillow and numpy: no torch, so the ingress never imports it); `patchify`
+and `preprocess` are `encoder.patchify`'s. `preprocess` runs all three and returns
+a `PatchBatch` whose `pixel_values` / `grid_thw` match `Qwen2VLImageProcessorPil` output. Details that matter
+for exactness (all mirrored from transformers 5.x):
   * RGB conversion: images with an alpha band or a `transparency` entry are alpha-composited onto white;
     everything else goes through PIL's `convert("RGB")` (so I;16 / I / F values saturate at 255, CMYK
     uses PIL's naive formula). uint8 arrays become L/RGB/RGBA images and follow the same rule.
@@ -21,16 +23,13 @@ from __future__ import annotations
 
 import io
 import math
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
 from encoder.image_guard import check_structure
-from encoder.patch_batch import PatchBatch
 from encoder.preprocess_config import (
     DEFAULT_FORMATS,
     OPENAI_CLIP_MEAN,
@@ -43,8 +42,7 @@ from encoder.preprocess_config import (
 # the settings are `encoder.preprocess_config`'s; importable from here with the pipeline that reads them
 __all__ = [
     "DEFAULT_CONFIG", "DEFAULT_FORMATS", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "PreprocessConfig", "canonical_format",
-    "check_image_size", "known_formats", "load_image", "num_patches", "patchify", "patchify_many", "preprocess",
-    "resize_image", "smart_resize", "stack_patchify", "std_positive", "upload",
+    "check_image_size", "known_formats", "load_image", "num_patches", "resize_image", "smart_resize", "std_positive",
 ]  # fmt: skip
 
 # Pillow reports multi-picture JPEGs (most phone cameras) as "MPO"; they are JPEG files to users.
@@ -217,104 +215,3 @@ def num_patches(height: int, width: int, cfg: PreprocessConfig = DEFAULT_CONFIG)
     """Patches (grid t*h*w) an image of this original size yields; no decoding needed."""
     h, w = _target_size(height, width, cfg)
     return (h // cfg.patch_size) * (w // cfg.patch_size)
-
-
-# ----------------------------------------------------------------------------------------- patches
-
-
-@lru_cache(maxsize=32)
-def _normalise_lut(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """[3*256] float32: normalised value of byte v in channel c at index c*256+v.
-
-    Built with transformers' arithmetic (v * (1/255) in float64, cast to float32, then float32
-    (x - mean) / std), so a gather reproduces its output bit for bit on any device.
-    """
-    scaled = (torch.arange(256, dtype=torch.float64) * (1 / 255)).to(torch.float32)
-    m = torch.tensor(mean, dtype=torch.float32)[:, None]
-    s = torch.tensor(std, dtype=torch.float32)[:, None]
-    return ((scaled[None, :] - m) / s).reshape(-1).to(device)
-
-
-def patchify(pixels: torch.Tensor, cfg: PreprocessConfig = DEFAULT_CONFIG) -> torch.Tensor:
-    """uint8 [H, W, 3] (sides multiples of P*m) -> float32 [(H/P)*(W/P), 3*T*P*P] on the same device.
-
-    Rows are ordered by merge block (row-major), then within a block; columns are (C, T, P, P).
-    """
-    if isinstance(pixels, np.ndarray):
-        pixels = torch.from_numpy(pixels)
-    _check_pixels(pixels, cfg)
-    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    height, width, _ = pixels.shape
-    gh, gw = height // p, width // p
-    lut = _normalise_lut(cfg.image_mean, cfg.image_std, pixels.device)
-    channel_offset = torch.arange(3, device=pixels.device) * 256
-    values = lut[pixels.long() + channel_offset]  # [H, W, 3] float32
-    blocks = values.view(gh // m, m, p, gw // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
-    # -> (block row, block col, row in block, col in block, C, py, px); a still image fills all T frames.
-    frames = blocks.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
-    return frames.reshape(gh * gw, cfg.patch_dim)
-
-
-def _check_pixels(pixels: torch.Tensor, cfg: PreprocessConfig) -> None:
-    if not isinstance(pixels, torch.Tensor) or pixels.dtype != torch.uint8:
-        got = getattr(pixels, "dtype", type(pixels).__name__)
-        raise InvalidImageError(f"patchify expects a uint8 tensor, got {got}")
-    if pixels.dim() != 3 or pixels.shape[2] != 3:
-        raise InvalidImageError(f"patchify expects shape [H, W, 3], got {tuple(pixels.shape)}")
-    h, w, _ = pixels.shape
-    if h == 0 or w == 0 or h % cfg.factor or w % cfg.factor:
-        raise InvalidImageError(f"patchify needs non-zero sides, multiples of {cfg.factor}; got {h}x{w}")
-
-
-def patchify_many(pixels: list[torch.Tensor], cfg: PreprocessConfig = DEFAULT_CONFIG) -> PatchBatch:
-    """Patchify several uint8 images and concatenate; grid_thw is int64 on the CPU (host metadata)."""
-    patches = [patchify(x, cfg) for x in pixels]
-    sizes = [(1, x.shape[0] // cfg.patch_size, x.shape[1] // cfg.patch_size) for x in pixels]
-    grid = torch.tensor(sizes, dtype=torch.int64).reshape(-1, 3)
-    return PatchBatch(torch.cat(patches) if patches else torch.zeros(0, cfg.patch_dim), grid)
-
-
-def upload(arrays: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """Arrays of one width, stacked vertically, on `device` with one copy. On CUDA the stack is written into
-    pinned memory and uploaded asynchronously: a pageable upload would wait for the replays already queued,
-    so the next batch's upload could not overlap the running one."""
-    device = torch.device(device)
-    rows = sum(a.shape[0] for a in arrays)
-    host = torch.empty((rows, *arrays[0].shape[1:]), dtype=torch.uint8, pin_memory=device.type == "cuda")
-    np.concatenate(arrays, axis=0, out=host.numpy())
-    return host.to(device, non_blocking=True)
-
-
-def stack_patchify(arrays: list[np.ndarray], cfg: PreprocessConfig, device: torch.device) -> PatchBatch:
-    """Upload and patchify on `device`; consecutive images of equal width go through one `patchify`.
-
-    Stacking images vertically keeps each image's merge blocks contiguous and in order (its block rows
-    come before the next image's), so one call equals the concatenation of per-image calls.
-    """
-    parts, start = [], 0
-    while start < len(arrays):
-        end = start + 1
-        while end < len(arrays) and arrays[end].shape[1] == arrays[start].shape[1]:
-            end += 1
-        parts.append(patchify(upload(arrays[start:end], device), cfg))
-        start = end
-    grid = torch.tensor([[1, a.shape[0] // cfg.patch_size, a.shape[1] // cfg.patch_size] for a in arrays])
-    return PatchBatch(parts[0] if len(parts) == 1 else torch.cat(parts), grid)
-
-
-def preprocess(images: Any, cfg: PreprocessConfig = DEFAULT_CONFIG, resize=None) -> PatchBatch:
-    """One input or a list of inputs (any kind `load_image` accepts) -> PatchBatch, equal to HF's output.
-
-    `resize(img, cfg) -> uint8 HWC` is the family's resize rule (default: Qwen's `resize_image`).
-    """
-    resize = resize or resize_image
-    items = list(images) if isinstance(images, list | tuple) else [images]
-    arrays = []
-    for i, x in enumerate(items):
-        try:
-            arrays.append(torch.from_numpy(resize(load_image(x, cfg), cfg)))
-        except (ImageDecodeError, InvalidImageError) as e:
-            if len(items) == 1:
-                raise
-            raise type(e)(f"image {i}: {e}") from e
-    return patchify_many(arrays, cfg)

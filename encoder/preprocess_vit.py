@@ -15,7 +15,7 @@ Pipeline (the same split as `encoder.preprocess`, so the service ships compact u
     the last whole patch (SigLIP at 384 px with P = 14 uses 378 x 378), so they are dropped here and
     every array the service ships has sides that are multiples of P.
 Rescale (x / 255 in float64, cast to float32) and normalise ((x - mean) / std in float32) happen in
-`encoder.preprocess.patchify` through its per-channel lookup table: bit-identical to transformers.
+`encoder.patchify.patchify` through its per-channel lookup table: bit-identical to transformers.
 `VitPreprocessConfig` has `merge_size = temporal_patch_size = 1`, so that patchify (and every caller
 of it, such as the service's on-device patchify) produces the ViT patch layout unchanged.
 
@@ -26,7 +26,7 @@ either family's config, for code that serves any model.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from PIL import Image
@@ -35,8 +35,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from encoder.config import ClipVisionConfig, VitVisionConfig
 from encoder.errors import ConfigError, InvalidImageError, validation_reason
 from encoder.image_guard import DEFAULT_LIMITS, ImageLimits
-from encoder.patch_batch import PatchBatch
-from encoder.preprocess import num_patches, preprocess, resize_image
+from encoder.preprocess import num_patches, resize_image
+
+if TYPE_CHECKING:
+    from encoder.patch_batch import PatchBatch
 from encoder.preprocess_config import (
     DEFAULT_FORMATS,
     OPENAI_CLIP_MEAN,
@@ -114,7 +116,7 @@ class VitPreprocessConfig(BaseModel):
             raise ValueError(f"the processed image is smaller than one {self.patch_size}-pixel patch")
         return self
 
-    # -- the attributes `encoder.preprocess.patchify` and the service read ----------------------------
+    # -- the attributes `encoder.patchify.patchify` and the service read ----------------------------
     @property
     def merge_size(self) -> int:
         return 1
@@ -292,6 +294,8 @@ def resize_crop(img: Image.Image, cfg: VitPreprocessConfig) -> np.ndarray:
 
 def preprocess_vit(images: Any, cfg: VitPreprocessConfig) -> PatchBatch:
     """One input or a list (any kind `load_image` accepts) -> PatchBatch; grid_thw rows are (1, H/P, W/P)."""
+    from encoder.patchify import preprocess  # torch: only where pixels are patchified, never in the ingress
+
     return preprocess(images, cfg, resize=resize_crop)
 
 

@@ -1,9 +1,11 @@
 """Shared Ray / Serve fixtures for the service tests (a pytest plugin: `pytest_plugins = [...]`).
 
 One Ray instance per test session (starting Ray costs ~8 s here), with logical resources so an
-ingress and two encoder replicas fit on a 2-CPU machine. Each module deploys what it needs with
-`running_app(...)` and shuts Serve down when it is done, so other modules can deploy after it.
-Serve's HTTP proxy listens on a free port (other test runs may share this machine).
+ingress and two encoder replicas fit on a 2-CPU machine, and one Serve instance (its controller and HTTP
+proxy cost ~4 s to start): each module deploys what it needs with `running_app(...)` and deletes its
+applications when it is done, so other modules can deploy after it. A module that shuts Serve (or Ray)
+down itself is fine: the next `start_serve()` starts it again. Serve's HTTP proxy listens on a free port
+(other test runs may share this machine).
 """
 
 from __future__ import annotations
@@ -56,21 +58,32 @@ def start_serve() -> str:
     return f"http://127.0.0.1:{port}"
 
 
+def delete_apps(names: list[str]) -> None:
+    """Delete the named applications and wait until they are gone (Serve itself keeps running). If Serve
+    is not running any more (the module shut it down), there is nothing to delete."""
+    if not ray.is_initialized():
+        return
+    running = set(serve.status().applications)  # empty when no Serve instance runs
+    for name in names:
+        if name in running:
+            serve.delete(name)
+
+
 @contextmanager
 def running_app(app, name: str, route_prefix: str = "/") -> Iterator[Service]:
-    """Deploy `app` (blocks until it is running); shut Serve down afterwards."""
+    """Deploy `app` (blocks until it is running); delete it afterwards."""
     base_url = start_serve()
     try:
         handle = serve.run(app, name=name, route_prefix=route_prefix)
         yield Service(handle, base_url, name)
     finally:
-        serve.shutdown()
+        delete_apps([name])
 
 
 @contextmanager
 def running_apps(apps: list[tuple[object, str, str]]) -> Iterator[list[Service]]:
     """Deploy several `(app, name, route_prefix)` side by side, concurrently (`serve.run_many`; each app's
-    `base_url` ends in its prefix); shut Serve down afterwards."""
+    `base_url` ends in its prefix); delete them afterwards."""
     base_url = start_serve()
     try:
         handles = serve.run_many([serve.RunTarget(app, name=name, route_prefix=prefix) for app, name, prefix in apps])
@@ -79,7 +92,7 @@ def running_apps(apps: list[tuple[object, str, str]]) -> Iterator[list[Service]]
             for handle, (_, name, prefix) in zip(handles, apps, strict=True)
         ]
     finally:
-        serve.shutdown()
+        delete_apps([name for _, name, _ in apps])
 
 
 def app_fixture(args: dict, name: str):

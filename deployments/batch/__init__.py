@@ -9,13 +9,7 @@ Modules: `options` (the parameters), `model_facts` (what the driver knows withou
 parts), `manifest` (the output directory), `job` (`run_job`).
 """
 
-from .actor import EncoderActor
-from .columns import output_schema
-from .decode import decode_batch
-from .files import JobError
-from .job import JobSummary, run_job
-from .options import EmbedOptions, JobConfig
-from .pipeline import embed_dataset
+from importlib import import_module
 
 __all__ = [
     "EmbedOptions",
@@ -28,3 +22,26 @@ __all__ = [
     "output_schema",
     "run_job",
 ]
+
+
+# name -> module. Loaded on first use (PEP 562): the decode tasks' worker processes import this package for
+# `decode.decode_batch` and must not pay for the encoder stage (torch) or the job driver.
+_EXPORTS = {
+    "EmbedOptions": "options",
+    "EncoderActor": "actor",
+    "JobConfig": "options",
+    "JobError": "files",
+    "JobSummary": "job",
+    "decode_batch": "decode",
+    "embed_dataset": "pipeline",
+    "output_schema": "columns",
+    "run_job": "job",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = vars(import_module(f".{_EXPORTS[name]}", __name__))[name]
+    globals()[name] = value
+    return value

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from encoder.api import POOLINGS
 from encoder.errors import EncoderError
+from encoder.poolings import POOLINGS
 from workspace.buckets import BucketError
 
 from .job import run_job

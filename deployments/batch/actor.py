@@ -23,7 +23,8 @@ import encoder
 from encoder.attention import graph_token_cap
 from encoder.errors import InvalidArgumentError
 from encoder.patch_batch import PatchBatch
-from encoder.preprocess import PreprocessConfig, patchify
+from encoder.patchify import patchify
+from encoder.preprocess import PreprocessConfig
 from workspace.buckets import BucketKey, BucketTable
 from workspace.graph_encoder import GraphEncoder
 from workspace.tables import process_plan, shape_of_encoder

@@ -8,23 +8,31 @@ uninitialised memory: we copy only rows inside segments, selected on the device,
 
 The flash kernels exist only for CUDA (there is no CPU implementation), and only in fp16/bf16.
 Launches are capturable in a CUDA graph, with `cu_seqlens` rewritten in place between replays.
+
+`torch.nn.attention.varlen` is imported only where CUDA is: importing it pulls in `torch._dynamo`, 2.6 s of
+CPU per process (every replica, batch actor and `encoder.load` asks the registry what is available), for a
+backend that cannot run without CUDA anyway.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from .base import AttentionBackend
 
-try:
-    from torch.nn.attention import varlen as _varlen
-except ImportError:  # torch < 2.9
-    _varlen = None
-
-_varlen_attn = getattr(_varlen, "varlen_attn", None)
-_varlen_attn_out = getattr(_varlen, "varlen_attn_out", None)
-
 _DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _varlen_functions() -> tuple:
+    """(varlen_attn, varlen_attn_out), each None where this torch lacks it (varlen_attn_out: 2.12+)."""
+    try:
+        from torch.nn.attention import varlen
+    except ImportError:  # torch < 2.9
+        return None, None
+    return getattr(varlen, "varlen_attn", None), getattr(varlen, "varlen_attn_out", None)
 
 
 def _keep_real_rows(out: torch.Tensor, result: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -44,10 +52,10 @@ class TorchVarlenAttention(AttentionBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if _varlen_attn is None and _varlen_attn_out is None:
-            return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (needs >= 2.9)"
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available():  # checked first: the import below is slow and useless without CUDA
             return "torch varlen_attn runs only on CUDA (flash kernels, no CPU implementation)"
+        if _varlen_functions() == (None, None):
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (needs >= 2.9)"
         return None
 
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -65,6 +73,7 @@ class TorchVarlenAttention(AttentionBackend):
     def forward(self, q, k, v, cu_seqlens, max_seqlen, out):
         # the flash kernels require unit stride on the head dim
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        _varlen_attn, _varlen_attn_out = _varlen_functions()
         if _varlen_attn_out is not None and out.stride(-1) == 1:
             # writes rows inside segments only; padding rows of `out` are left untouched
             _varlen_attn_out(out, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)

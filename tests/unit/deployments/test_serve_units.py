@@ -31,7 +31,8 @@ from encoder.errors import (
     InvalidArgumentError,
     InvalidImageError,
 )
-from encoder.preprocess import PreprocessConfig, load_image, patchify_many, resize_image, stack_patchify
+from encoder.patchify import patchify_many, stack_patchify
+from encoder.preprocess import PreprocessConfig, load_image, resize_image
 from tests.images_util import encode, random_array, random_image
 from tests.jpeg_bombs import scan_bomb
 from workspace.buckets import BucketKey, default_table

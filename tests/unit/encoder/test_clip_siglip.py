@@ -256,7 +256,7 @@ def test_preprocess_errors_and_limits():
 
 def test_service_patchify_equals_preprocess():
     """The service's path (uint8 arrays stacked, patchified on the device) gives the same patches."""
-    from encoder.preprocess import patchify
+    from encoder.patchify import patchify
     from encoder.preprocess_vit import num_patches_for, resize_crop, resize_image_for
 
     pp = VitPreprocessConfig.for_model(preset("tiny-siglip"))

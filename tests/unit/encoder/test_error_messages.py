@@ -19,7 +19,8 @@ from PIL import Image
 import encoder
 from encoder import EncoderError
 from encoder.errors import reason
-from encoder.preprocess import PreprocessConfig, preprocess
+from encoder.patchify import preprocess
+from encoder.preprocess import PreprocessConfig
 from encoder.preprocess_vit import VitPreprocessConfig, preprocess_vit
 from tests.hf_models import write_checkpoint
 

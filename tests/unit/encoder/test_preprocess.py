@@ -13,16 +13,8 @@ from pydantic import ValidationError
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from encoder.errors import ConfigError, ImageDecodeError, ImageTooLargeError, InvalidImageError
-from encoder.preprocess import (
-    PreprocessConfig,
-    load_image,
-    num_patches,
-    patchify,
-    patchify_many,
-    preprocess,
-    resize_image,
-    smart_resize,
-)
+from encoder.patchify import patchify, patchify_many, preprocess
+from encoder.preprocess import PreprocessConfig, load_image, num_patches, resize_image, smart_resize
 from tests.images_util import encode, jpeg_with_orientation, png_bomb_header, random_array, random_image
 
 DEFAULT = PreprocessConfig()

@@ -140,7 +140,7 @@ def test_launch_does_not_wait_for_the_running_replay(graph):
     still running — so a replica prepares batch N+1 during batch N."""
     import numpy as np
 
-    from encoder.preprocess import stack_patchify
+    from encoder.patchify import stack_patchify
 
     pp = graph.encoder.preprocess_config
     rng = np.random.default_rng(0)
@@ -161,7 +161,7 @@ def test_launch_does_not_wait_for_the_running_replay(graph):
 def test_stack_patchify_pinned_upload_equals_cpu(graph):
     import numpy as np
 
-    from encoder.preprocess import stack_patchify
+    from encoder.patchify import stack_patchify
 
     pp = graph.encoder.preprocess_config
     rng = np.random.default_rng(1)
