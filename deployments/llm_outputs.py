@@ -73,7 +73,8 @@ def to_wire(x: torch.Tensor | np.ndarray, dtype: str) -> np.ndarray:
             return np.ascontiguousarray(x)
         if dtype == "bfloat16":
             return _bfloat16_bits(x)
-        return np.ascontiguousarray(x, dtype=_NUMPY[dtype])  # float16: IEEE round to nearest even, as torch
+        with np.errstate(over="ignore"):  # beyond float16's range is inf, as torch's cast gives
+            return np.ascontiguousarray(x, dtype=_NUMPY[dtype])  # float16: IEEE round to nearest even, as torch
     import torch
 
     if x.dtype == wire_torch_dtype(dtype) and x.is_contiguous() and dtype != "float32":
