@@ -194,6 +194,14 @@ def service(local_cluster: LocalCluster, tmp_path_factory) -> Iterator[Deployed]
         return httpx.get(f"{base_url}/health", timeout=10).status_code == 200
 
     wait_for(healthy, timeout_s=180, interval_s=0.5, what="/health of the production config")
+    # /health is 200 once one encoder replica serves; the checks below need both, and the application RUNNING
+    # (the controller marks it on a later pass)
+    wait_for(
+        lambda: serve.status().applications[DEFAULT_APP_NAME].status == "RUNNING",
+        timeout_s=120,
+        interval_s=0.5,
+        what="the production config's application RUNNING",
+    )
     yield Deployed(base_url, config)
 
 
