@@ -5,8 +5,6 @@ resolution, `encoder.vit`); models named by a preset, a checkpoint directory or 
 (`encoder.hub.resolve_model`); poolings "none", "mean", "model", "mean-l2", "model-l2" (`encoder.api`).
 """
 
-from importlib import import_module
-
 from .config import ClipVisionConfig, Qwen2VLVisionConfig, Qwen3VLVisionConfig, Qwen25VLVisionConfig, SiglipVisionConfig
 from .errors import (
     BackendUnavailableError,
@@ -22,6 +20,7 @@ from .errors import (
     InvalidImageError,
     RandomWeightsWarning,
 )
+from .lazy import lazy_exports
 from .poolings import POOLINGS
 from .presets import PRESETS
 
@@ -38,13 +37,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "POOLINGS",

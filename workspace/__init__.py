@@ -1,6 +1,6 @@
 """How the encoder runs fast: bucket table, static workspaces, CUDA graph capture and replay."""
 
-from importlib import import_module
+from encoder.lazy import lazy_exports
 
 from .buckets import BucketError, BucketKey, BucketTable, Pack
 
@@ -11,9 +11,4 @@ __all__ = ["BucketError", "BucketKey", "BucketTable", "GraphCaptureError", "Grap
 _LAZY = {"GraphEncoder": "graph_encoder", "GraphCaptureError": "runner", "GraphRunner": "runner"}
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = vars(import_module(f".{_LAZY[name]}", __name__))[name]
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -9,7 +9,7 @@ Modules: `options` (the parameters), `model_facts` (what the driver knows withou
 parts), `manifest` (the output directory), `job` (`run_job`).
 """
 
-from importlib import import_module
+from encoder.lazy import lazy_exports
 
 __all__ = [
     "EmbedOptions",
@@ -39,9 +39,4 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = vars(import_module(f".{_EXPORTS[name]}", __name__))[name]
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
