@@ -17,7 +17,6 @@ Prints a markdown table. Needs a CUDA GPU; exits with a message otherwise.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +28,9 @@ except ImportError:  # run as a script from a checkout: make the repo root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from encoder.attention import available_backends, get_backend, resolve_attention  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import timed  # noqa: E402 - median of CUDA-event timings, as every benchmark here
 
 # name -> (segment length, number of segments)
 CASES = {
@@ -70,17 +72,7 @@ def time_in_graph(backend, q, k, v, cu, max_seqlen, replays: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         backend(q, k, v, cu, max_seqlen, out)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return timed(graph.replay, replays)
 
 
 def rel_error(backend, q, k, v, cu, max_seqlen) -> float:

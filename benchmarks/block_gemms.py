@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import timed  # noqa: E402 - median of CUDA-event timings, as every benchmark here
 
 SHAPES = {"qkv": (1280, 3840), "proj": (1280, 1280), "gate_up": (1280, 6912), "down": (3456, 1280)}
 
@@ -26,17 +30,7 @@ def per_call_us(fn, calls: int = 20, reps: int = 30) -> float:
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    return timed(g.replay, reps) * 1e3 / calls
 
 
 def main() -> int:
