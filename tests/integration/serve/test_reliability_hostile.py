@@ -156,7 +156,12 @@ def heavy_images_encoded(stats: dict) -> int:
     return sum(n for budget, n in stats["replays"].items() if int(budget) == 1024)
 
 
-def assert_heavy_work_dropped(encoder_handle, before: dict) -> None:
+def assert_others_served_then_heavy_work_dropped(client, t0: float, encoder_handle, before: dict, what: str):
+    """After the heavy request ended at `t0` (answered or abandoned), other one-image requests are answered 200
+    within 5 s each, and the heavy request's remaining work was dropped."""
+    results = good_requests_after(client, t0)
+    assert results and all(status == 200 and s < 5.0 for status, s in results), results
+    print(f"{what}; then {len(results)} good requests, slowest {max(s for _, s in results):.2f}s")
     stats = replica_stats(encoder_handle)
     assert stats["queued_requests"] == 0, stats  # nothing of it is queued or running
     encoded = heavy_images_encoded(stats) - heavy_images_encoded(before)
@@ -168,11 +173,9 @@ def test_a_request_past_the_deadline_is_answered_504_and_its_work_dropped(client
     before = replica_stats(encoder_handle)
     r, seconds = timed_post(client, HEAVY)
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
-    answered = time.monotonic()
-    results = good_requests_after(client, answered)
-    assert results and all(status == 200 and s < 5.0 for status, s in results), results
-    print(f"504 after {seconds:.1f}s; then {len(results)} good requests, slowest {max(s for _, s in results):.2f}s")
-    assert_heavy_work_dropped(encoder_handle, before)
+    assert_others_served_then_heavy_work_dropped(
+        client, time.monotonic(), encoder_handle, before, f"504 after {seconds:.1f}s"
+    )
 
 
 def test_a_request_abandoned_by_its_client_is_dropped(app, client, encoder_handle):
@@ -180,11 +183,7 @@ def test_a_request_abandoned_by_its_client_is_dropped(app, client, encoder_handl
     with httpx.Client(base_url=app.base_url, timeout=2.0) as impatient:
         with pytest.raises(httpx.TimeoutException):
             impatient.post("/v1/embeddings", json=HEAVY)
-    gone = time.monotonic()
-    results = good_requests_after(client, gone)
-    assert results and all(status == 200 and s < 5.0 for status, s in results), results
-    print(f"abandoned: then {len(results)} good requests, slowest {max(s for _, s in results):.2f}s")
-    assert_heavy_work_dropped(encoder_handle, before)
+    assert_others_served_then_heavy_work_dropped(client, time.monotonic(), encoder_handle, before, "abandoned")
 
 
 def test_other_callers_interleave_with_a_heavy_request(app, client, encoder_handle):
