@@ -18,23 +18,24 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 from ray import serve
 
-import encoder
-from encoder.api import vector_pooling
 from encoder.errors import EncoderError, InvalidArgumentError
-from encoder.patchify import stack_patchify
 from encoder.poolings import POOLINGS, check_pooling
-from workspace import GraphEncoder
 
 from .config import AppArgs, replica_plan, resolve_device, resolve_num_gpus
 from .llm_outputs import WireLLM, check_dtype
 from .metrics import ReplicaMetrics
-from .replica_health import FaultInjector, HealthProbe, probe_pixels
-from .replica_pipeline import DevicePipeline, Work, check_pixels
 from .routing_stats import BucketRoutingStats
+
+# The torch side (the model, the graphs, the device pipeline) is imported in the constructor and the request
+# methods, which run in the replica's own process: a driver that only builds the application (`serve run`,
+# the launcher, a test) imports this module for the class and would pay ~3 s of CPU for torch it never uses.
+if TYPE_CHECKING:
+    from .replica_pipeline import DevicePipeline, Work
 
 logger = logging.getLogger("ray.serve")
 
@@ -60,6 +61,14 @@ class EncoderReplica:
     """Serve deployment of one encoder: `encode_pixels` for the ingress, stats for routers and tests."""
 
     def __init__(self, args: dict):
+        import encoder
+        from encoder.api import vector_pooling
+        from encoder.patchify import stack_patchify
+        from workspace import GraphEncoder
+
+        from .replica_health import FaultInjector, HealthProbe, probe_pixels
+        from .replica_pipeline import DevicePipeline
+
         self.args = a = AppArgs.model_validate(args)
         if a.gil_switch_interval_s is not None:  # this process is the replica's own
             sys.setswitchinterval(a.gil_switch_interval_s)
@@ -87,6 +96,7 @@ class EncoderReplica:
         # DeepStack layers of the LLM-ready outputs (0 for towers without), from one tiny encode
         probe = stack_patchify(probe_pixels(self.pp), self.pp, self.device)
         self.deepstack_layers = len(self.engine.encode_llm(probe)[0].deepstack)
+        self.default_pooling = vector_pooling(vision.config)
         stats = self.engine.stats()
         self.metrics.captured.set(stats["captures"])
         self.ready = True
@@ -103,6 +113,8 @@ class EncoderReplica:
         match the pixels. `deadline` (`time.time()`, the caller's request deadline): the work is dropped,
         with `TimeoutError`, if it has not started by then (`replica_pipeline.DevicePipeline`).
         """
+        from .replica_pipeline import Work, check_pixels
+
         entered = time.perf_counter()
         check_pooling(pooling)
         work = Work(*check_pixels(pixels, self.pp), pooling, deadline=deadline)
@@ -115,6 +127,8 @@ class EncoderReplica:
         per image `(tokens [n, out_dim], [DeepStack layer [n, out_dim], ...], (t, h, w))`, the arrays in the
         wire `dtype` (`deployments.llm_outputs`: float32, float16, or bfloat16 bit patterns as uint16),
         converted in the results thread. `[]` DeepStack layers for towers without them."""
+        from .replica_pipeline import Work, check_pixels
+
         entered = time.perf_counter()
         check_dtype(dtype)
         work = Work(*check_pixels(pixels, self.pp), "none", dtype, deadline=deadline)
@@ -171,7 +185,7 @@ class EncoderReplica:
         return {
             "model": vision.name,
             "out_dim": vision.out_dim,
-            "default_pooling": vector_pooling(vision.config),
+            "default_pooling": self.default_pooling,
             "output_dims": {p: vision.output_dim(p) for p in POOLINGS if self._supports(p)},
             "deepstack_layers": self.deepstack_layers,
             "device": str(self.device),

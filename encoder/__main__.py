@@ -14,11 +14,15 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import POOLINGS, EncoderError, PatchBatch, VisionEncoder, load
-from .api import vector_pooling
 from .embedding_output import STDOUT, ImageEmbedding, check_output, write
-from .errors import InvalidArgumentError, RandomWeightsWarning, reason
+from .errors import EncoderError, InvalidArgumentError, RandomWeightsWarning, reason
+from .hub import resolve_model
+from .poolings import POOLINGS
+
+if TYPE_CHECKING:
+    from . import PatchBatch, VisionEncoder
 
 SHORT_VALUES = 8  # values of each embedding in the default print
 
@@ -59,6 +63,8 @@ def preprocess_files(enc: VisionEncoder, paths: list[Path], data: list[bytes]) -
             batches.append(enc.preprocess([item]))
         except EncoderError as exc:
             raise type(exc)(f"{path}: {exc}") from None
+    from .patch_batch import PatchBatch
+
     return PatchBatch.concat(batches)
 
 
@@ -68,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.output is not None:  # before the model loads; the pooling is checked again once known
             check_output(args.output, args.pooling)
         data = read_files(args.images)
+        source = resolve_model(args.model)  # a bad model fails here, before torch is imported (~3 s)
+        from .api import load, vector_pooling
+
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RandomWeightsWarning)
-            enc = load(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
+            enc = load(source, device=args.device, dtype=args.dtype, attention=args.attention)
         for w in caught:  # a plain line, not the file:line form warnings print
             print(f"warning: {w.message}", file=sys.stderr)
         pooling = args.pooling or vector_pooling(enc.config)

@@ -351,7 +351,9 @@ def load(
         tower = build_tower(config, None)
     # per layer kind; "auto" (the default) picks per kind and graph shape (`encoder.attention.auto`)
     tower.set_backend(resolve_attention(attention, tower.attention_kinds, device, dtype, config.head_dim))
-    tower = tower.to_empty(device="cpu")
+    # materialized with torch.empty of each shape, as `to_empty` does but without its `empty_like` of meta
+    # tensors, which imports sympy (0.9 s of CPU per process: every encoder replica start)
+    tower = tower._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
     if path is not None:
         load_weights(tower, path)
     else:

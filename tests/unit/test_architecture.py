@@ -169,11 +169,14 @@ def test_the_check_sees_what_ray_compat_does():
 def test_the_ingress_side_imports_no_torch():
     """Ingress replicas, their decode workers and the handle routers decode, check and route images; importing
     torch there cost ~2.7 s of CPU and ~200 MB per process (twice per ingress replica: itself and its decode
-    pool's forkserver). A fresh interpreter imports those modules and must not have loaded torch."""
+    pool's forkserver). The application module (what a driver imports to build the app: `serve run`, the
+    launcher) imports the encoder replica's class, whose torch side loads in its constructor. A fresh
+    interpreter imports those modules and must not have loaded torch."""
     import subprocess
     import sys
 
     modules = ["deployments.ingress", "deployments.router", "encoder.decode_pool", "deployments.batch.decode"]
+    modules += ["deployments.application", "encoder.__main__"]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m == 'torch'))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
