@@ -22,6 +22,9 @@ except ImportError as exc:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Modules that replace the session's shared Ray instance with one of their own (`own_ray`) run last, so
+    # nothing waits for the shared one to be started again after them (~15 s: Ray, then Serve).
+    items.sort(key=lambda item: "own_ray" in item.keywords)  # stable: the order within each group is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")

@@ -28,16 +28,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ensure_ray() -> bool:
+    """Start the session's Ray instance unless one is connected; whether this call started it. A module that
+    needs a Ray of its own (`pytest.mark.own_ray`, run last: tests/conftest.py) shuts it down and leaves it
+    down; whatever needs it after that starts it again here."""
+    if ray.is_initialized():
+        return False
+    # log_to_driver=False: replica and worker logs stay in Ray's log files (/tmp/ray/session_*/logs) instead
+    # of being printed into pytest's output by Ray's log monitor between tests
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    return True
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     """A Ray instance for the whole session (reused if something already started one)."""
-    started = not ray.is_initialized()
-    if started:
-        # log_to_driver=False: replica and worker logs stay in Ray's log files (/tmp/ray/session_*/logs) instead
-        # of being printed into pytest's output by Ray's log monitor between tests
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    started = ensure_ray()
     yield
-    if started:
+    if started and ray.is_initialized():
         serve.shutdown()
         ray.shutdown()
 
@@ -53,6 +61,7 @@ def start_serve() -> str:
     """Start Serve (HTTP on a free local port) if it is not running; the proxy's base URL."""
     from ray.serve.context import _get_global_client
 
+    ensure_ray()
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     port = _get_global_client().http_config.port
     return f"http://127.0.0.1:{port}"

@@ -12,7 +12,8 @@ through the same CLIs the README's "Scale out" section uses:
   two GPU encoder actors run one on each node.
 
 This module needs its own Ray: it shuts down the session's shared instance (tests/serve_fixtures.py) first
-and, if there was one, starts it again the same way afterwards, so modules after this one find it as before.
+and leaves it down; it is marked `own_ray`, so it runs after every other module (tests/conftest.py), and
+anything that needs the shared instance after it starts it again (`serve_fixtures.ensure_ray`).
 The nodes get the repository on PYTHONPATH (what `pip install -e .` does on a real cluster).
 """
 
@@ -42,7 +43,7 @@ from deployments.config import DEFAULT_APP_NAME, ENCODER_NAME, INGRESS_NAME
 from tests.images_util import encode, random_image
 from tests.serve_fixtures import free_port, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
 
 ROOT = Path(__file__).resolve().parents[3]
 PRODUCTION = ROOT / "deployments" / "serve_production.yaml"
@@ -148,8 +149,6 @@ def local_cluster() -> Iterator[LocalCluster]:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved_pythonpath
-        if had_ray:  # hand the session its instance back, started as tests/serve_fixtures.py starts it
-            ray.init(num_cpus=8, include_dashboard=False)
 
 
 def cpu_config(http_port: int) -> dict:
