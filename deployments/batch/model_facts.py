@@ -11,16 +11,13 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-import torch
-
-import encoder
-from encoder.api import attention_plan, is_fixed_resolution, vector_pooling
-from encoder.api import preprocess_config_for as model_preprocess_config
-from encoder.attention import graph_token_cap
 from encoder.config import VisionConfig
 from encoder.hub import ResolvedModel, resolve_model
 from encoder.preprocess import PreprocessConfig, num_patches
 from workspace.tables import BucketPlan, TowerShape, process_plan
+
+# `encoder.api` and `encoder.attention` (torch, ~3 s of CPU to import) are imported in the functions that
+# need them: the CLI checks the model (`resolved`) before anything imports torch, so a bad one fails at once.
 
 
 @lru_cache(maxsize=8)  # the driver asks several times; a Hub id would be looked up each time
@@ -39,6 +36,8 @@ def preprocess_config_for(model: str) -> PreprocessConfig:
     """The preprocessing `encoder.load(model)` uses, without building the model (cheap, driver side).
 
     A `VitPreprocessConfig` for CLIP / SigLIP models (same attributes where the pipeline reads them)."""
+    from encoder.api import preprocess_config_for as model_preprocess_config
+
     source = resolved(model)
     return model_preprocess_config(source.config, source.path)
 
@@ -50,13 +49,18 @@ def deepstack_layers(config: VisionConfig) -> int:
 
 def resolve_pooling(pooling: str | None, model: str) -> str:
     """`pooling`, checked; None: the model's default embedding ("model" for CLIP / SigLIP, else "mean")."""
-    config = config_for(model)
-    return vector_pooling(config) if pooling is None else encoder.api.resolve_pooling(pooling, config)
+    config = config_for(model)  # first: a bad model fails before torch is imported
+    from encoder.api import resolve_pooling as model_pooling
+    from encoder.api import vector_pooling
+
+    return vector_pooling(config) if pooling is None else model_pooling(pooling, config)
 
 
 def shape_of_config(config: VisionConfig, pp) -> TowerShape:
     """The model's `workspace.tables.TowerShape` from its config and preprocessing (what `shape_of_encoder`
     reads of the loaded model)."""
+    from encoder.api import is_fixed_resolution
+
     per = config.num_patches if is_fixed_resolution(config) else None
     return TowerShape(config.merge_unit, per if per is not None else num_patches(224, 224, pp), per)
 
@@ -67,12 +71,17 @@ def actor_device(gpus: int) -> str:
 
 
 def _graph_cap(model: str, device: str, dtype: str | None, attention: str | None) -> int | None:
+    from encoder.api import attention_plan
+    from encoder.attention import graph_token_cap
+
     return graph_token_cap(attention_plan(config_for(model), device, dtype, attention))
 
 
 def actor_graph_cap(model: str, device: str, dtype: str | None = None, attention: str | None = None) -> int | None:
     """`max_graph_tokens` of the attention backend the encoder actors will load. Which backends are usable
     depends on the machine, so a driver that cannot see CUDA asks a GPU worker once."""
+    import torch
+
     if device == "cuda" and not torch.cuda.is_available():
         import ray
 

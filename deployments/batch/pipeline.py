@@ -14,7 +14,6 @@ from pathlib import Path
 
 from encoder.errors import InvalidArgumentError
 
-from .actor import EncoderActor
 from .decode import decode_batch, image_column_kind, typical_patches_of
 from .model_facts import gpus_in_cluster, plan_for_actors, preprocess_config_for, resolve_pooling, rows_per_batch
 from .options import EmbedOptions
@@ -49,6 +48,8 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     `decode_batch_size` rows, `decode_cpus` each, at most `decode_concurrency` at once.
     """
     import ray.data
+
+    from .actor import EncoderActor  # torch: after the model and arguments are checked
 
     if options is None:
         options = EmbedOptions.of(**kwargs)

@@ -176,7 +176,8 @@ def test_the_ingress_side_imports_no_torch():
     import sys
 
     modules = ["deployments.ingress", "deployments.router", "encoder.decode_pool", "deployments.batch.decode"]
-    modules += ["deployments.application", "encoder.__main__"]
+    # the drivers: building the app, the CLIs (they check the model before importing torch)
+    modules += ["deployments.application", "encoder.__main__", "deployments.batch.job"]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m == 'torch'))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
