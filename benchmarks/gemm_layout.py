@@ -1,0 +1,80 @@
+"""Does the weight layout change cuBLAS's speed for the towers' bias GEMMs? (issue 15: single-image latency)
+
+`nn.Linear` keeps W as [N, K] and computes `x @ W.T + b` (cuBLAS sees a transposed operand); a load-time
+transpose to a contiguous [K, N] makes it `x @ Wt + b` (no transpose), for which cuBLAS's heuristics may pick
+other kernels. Both run as `torch.addmm(b, x, ...)` (the bias in cuBLASLt's epilogue), 20 calls per CUDA graph,
+bf16, for Qwen2.5-VL-7B's four block GEMMs at the row counts of 1x224² (256), 1x448² (1024) and 8x896²
+(25,088). Prints one table: µs per call for each layout, and the ratio.
+
+    python3 benchmarks/gemm_layout.py [--rows 256,1024,25088] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+SHAPES = {  # name: (K, N), Qwen2.5-VL-7B vision (hidden 1280, MLP 3420 padded to 3456)
+    "qkv": (1280, 3840),
+    "proj": (1280, 1280),
+    "gate_up": (1280, 6912),
+    "down": (3456, 1280),
+}
+CALLS = 20  # per graph: the launch cost of one replay spread over them
+
+
+def graph_us(fn, reps: int) -> float:
+    """Median µs per call of `fn` replayed inside a CUDA graph of CALLS calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()  # warm-up: cuBLAS picks and loads its kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="256,1024,25088")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dt, dev = torch.bfloat16, "cuda"
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| rows | GEMM | W [N,K] (x @ W.T) µs | Wt [K,N] (x @ Wt) µs | Wt / W |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    totals: dict[int, list[float]] = {}
+    for m in (int(r) for r in args.rows.split(",")):
+        for name, (k, n) in SHAPES.items():
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            w = torch.randn(n, k, device=dev, dtype=dt) / k**0.5
+            wt = w.t().contiguous()
+            b = torch.randn(n, device=dev, dtype=dt)
+            out_a, out_b = torch.empty(m, n, device=dev, dtype=dt), torch.empty(m, n, device=dev, dtype=dt)
+            ref = torch.addmm(b, x, w.t())
+            assert torch.allclose(torch.addmm(b, x, wt), ref, rtol=2e-2, atol=2e-2)  # same product
+            a_us = graph_us(lambda x=x, w=w, b=b, o=out_a: torch.addmm(b, x, w.t(), out=o), args.reps)
+            b_us = graph_us(lambda x=x, wt=wt, b=b, o=out_b: torch.addmm(b, x, wt, out=o), args.reps)
+            totals.setdefault(m, [0.0, 0.0])
+            totals[m][0] += a_us
+            totals[m][1] += b_us
+            print(f"| {m} | {name} | {a_us:.2f} | {b_us:.2f} | {b_us / a_us:.3f} |")
+        t = totals[m]
+        print(f"| {m} | **block (4 GEMMs)** | **{t[0]:.2f}** | **{t[1]:.2f}** | **{t[1] / t[0]:.3f}** |")
+
+
+if __name__ == "__main__":
+    main()
