@@ -6,50 +6,26 @@ other kernels. Both run as `torch.addmm(b, x, ...)` (the bias in cuBLASLt's epil
 bf16, for Qwen2.5-VL-7B's four block GEMMs at the row counts of 1x224² (256), 1x448² (1024) and 8x896²
 (25,088). Prints one table: µs per call for each layout, and the ratio.
 
-    python3 benchmarks/gemm_layout.py [--rows 256,1024,25088] [--reps 5]
+    python3 benchmarks/gemm_layout.py [--rows 256,1024,25088] [--reps 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-SHAPES = {  # name: (K, N), Qwen2.5-VL-7B vision (hidden 1280, MLP 3420 padded to 3456)
-    "qkv": (1280, 3840),
-    "proj": (1280, 1280),
-    "gate_up": (1280, 6912),
-    "down": (3456, 1280),
-}
-CALLS = 20  # per graph: the launch cost of one replay spread over them
-
-
-def graph_us(fn, reps: int) -> float:
-    """Median µs per call of `fn` replayed inside a CUDA graph of CALLS calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()  # warm-up: cuBLAS picks and loads its kernel outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return sorted(times)[len(times) // 2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the block's four GEMM shapes and the per-call time of 20 calls in one CUDA graph, as block_gemms measures them
+from block_gemms import SHAPES, per_call_us  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="256,1024,25088")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
     torch.manual_seed(0)
     dt, dev = torch.bfloat16, "cuda"
@@ -66,8 +42,8 @@ def main() -> None:
             out_a, out_b = torch.empty(m, n, device=dev, dtype=dt), torch.empty(m, n, device=dev, dtype=dt)
             ref = torch.addmm(b, x, w.t())
             assert torch.allclose(torch.addmm(b, x, wt), ref, rtol=2e-2, atol=2e-2)  # same product
-            a_us = graph_us(lambda x=x, w=w, b=b, o=out_a: torch.addmm(b, x, w.t(), out=o), args.reps)
-            b_us = graph_us(lambda x=x, wt=wt, b=b, o=out_b: torch.addmm(b, x, wt, out=o), args.reps)
+            a_us = per_call_us(lambda x=x, w=w, b=b, o=out_a: torch.addmm(b, x, w.t(), out=o), reps=args.reps)
+            b_us = per_call_us(lambda x=x, wt=wt, b=b, o=out_b: torch.addmm(b, x, wt, out=o), reps=args.reps)
             totals.setdefault(m, [0.0, 0.0])
             totals[m][0] += a_us
             totals[m][1] += b_us
