@@ -64,21 +64,24 @@ def decode_resized(data: bytes, cfg: PreprocessConfig) -> np.ndarray:
 def _serve(conn, decode_fn: Callable, cfg) -> None:
     """A worker's main loop: bytes in, ('ok', shape) + pixel bytes or an error tuple out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
-    conn.send(("ready",))
-    while True:
-        try:
+    try:
+        conn.send(("ready",))
+        while True:
             data = conn.recv_bytes()
-        except EOFError:  # the pool closed the pipe, or its process died
-            return
-        try:
-            pixels = np.ascontiguousarray(decode_fn(data, cfg), dtype=np.uint8)
-        except EncoderError as e:
-            conn.send(("error", type(e), str(e)))
-        except Exception as e:  # noqa: BLE001 - a bug in the decode function: reported, the worker lives on
-            conn.send(("bug", type(e).__name__, reason(e)))
-        else:
-            conn.send(("ok", pixels.shape))
-            conn.send_bytes(pixels.reshape(-1))
+            try:
+                pixels = np.ascontiguousarray(decode_fn(data, cfg), dtype=np.uint8)
+            except EncoderError as e:
+                conn.send(("error", type(e), str(e)))
+            except Exception as e:  # noqa: BLE001 - a bug in the decode function: reported, the worker lives on
+                conn.send(("bug", type(e).__name__, reason(e)))
+            else:
+                conn.send(("ok", pixels.shape))
+                conn.send_bytes(pixels.reshape(-1))
+    # The pool closed the pipe (EOFError) or its process died: a reset (ConnectionResetError, when it left a
+    # message of ours unread, as a replica stopped by Ctrl-C does) or a broken pipe on our answer. Nobody is
+    # left to answer; exit quietly rather than print a traceback into the service's log.
+    except (EOFError, ConnectionResetError, BrokenPipeError):
+        return
 
 
 def _how(exitcode: int | None) -> str:

@@ -187,9 +187,12 @@ def test_a_signal_answers_everything_admitted_and_exits(serve_run, how):
     for who, o in after:  # after the signal: admitted in the grace, refused with Retry-After, or no listener
         if isinstance(o, tuple) and o[0] != 200:
             assert o[0] == 503 and o[1] is not None, (who, o)
+    output = log.read_text()
+    # no traceback from any process of the service (a decode worker whose ingress replica is stopped used to
+    # print one when its pipe was reset, not on every run: tests/unit/encoder/test_decode_pool.py pins it down)
+    assert "Traceback" not in output, output[-3000:]
     if launcher:
-        output = log.read_text()
         assert proc.returncode == 0, output[-3000:]
         assert f"ready at http://127.0.0.1:{port}/v1" in output, output[-3000:]
-        assert "Traceback" not in output and "SIGTERM received" not in output, output[-3000:]
+        assert "SIGTERM received" not in output, output[-3000:]
     print(f"down {down_after:.1f}s after {how}; {len(before)} requests before it, {len(after)} after")

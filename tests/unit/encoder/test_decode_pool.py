@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from encoder.decode_pool import DecodePool, decode_resized
+from encoder.decode_pool import DecodePool, _serve, decode_resized
 from encoder.errors import DecodeTimeoutError, DecodeWorkerError, ImageDecodeError, ImageTooComplexError
 from encoder.preprocess import DEFAULT_CONFIG, load_image
 from encoder.preprocess_vit import resize_image_for
@@ -158,3 +158,21 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("unread", [True, False], ids=["reset (a message left unread)", "closed"])
+def test_a_worker_whose_pool_is_gone_exits_quietly(capfd, unread):
+    """When the ingress replica dies (Serve shutting down on Ctrl-C), its decode workers see their pipe reset, or
+    closed: each exits with status 0 and prints no traceback into the service's log."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_serve, args=(child, decode_resized, DEFAULT_CONFIG), daemon=True)
+    proc.start()
+    child.close()
+    assert parent.poll(60), "the worker never said it was ready"
+    if not unread:
+        parent.recv()
+    parent.close()  # with the worker's "ready" unread, the worker's next read fails with ECONNRESET
+    proc.join(60)
+    assert proc.exitcode == 0, proc.exitcode
+    assert "Traceback" not in capfd.readouterr().err
