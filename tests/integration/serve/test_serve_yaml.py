@@ -26,7 +26,7 @@ def test_committed_serve_config_deploys(ray_cluster):
     from ray.serve.schema import ServeDeploySchema
 
     from deployments.config import AppArgs
-    from tests.serve_fixtures import start_serve, wait_for
+    from tests.serve_fixtures import delete_apps, start_serve, wait_for
 
     config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
     (app,) = config.applications
@@ -48,5 +48,5 @@ def test_committed_serve_config_deploys(ray_cluster):
         r = httpx.post(f"{base_url}/v1/embeddings", json={"input": [url], "model": app.args["model"]}, timeout=60)
         assert r.status_code == 200, r.text
         assert len(r.json()["data"][0]["embedding"]) == 128
-    finally:
-        serve.shutdown()
+    finally:  # Serve keeps running for the next module (restarting it costs its controller and proxy again)
+        delete_apps([app.name])
