@@ -20,11 +20,17 @@ Prints µs per block for each variant and checks that the outputs equal `plain`'
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import timed  # noqa: E402 - median of CUDA-event timings, as every benchmark here
+from graph_gap import captured  # noqa: E402 - a warm-up on a side stream, then one capture
 
 SHAPES = {"qkv": (1280, 3840), "proj": (1280, 1280), "gate_up": (1280, 6912), "down": (3456, 1280)}
 
@@ -69,34 +75,8 @@ def sequence(layers, x, outs, before=None):
             i += 1
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
-def time_us(g: torch.cuda.CUDAGraph, reps: int = 50, rounds: int = 5) -> float:
-    best = []
-    for _ in range(rounds):
-        for _ in range(5):
-            g.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best.append(start.elapsed_time(end) * 1000 / reps)
-    best.sort()
-    return best[len(best) // 2]
+def time_us(replay) -> float:
+    return timed(replay, 50) * 1e3  # median µs per replay
 
 
 def main() -> None:
@@ -116,12 +96,12 @@ def main() -> None:
 
     results = {}
     ref = new_outs()
-    g = capture(lambda: sequence(layers, x, ref))
+    g = captured(lambda: sequence(layers, x, ref))
     results["plain"] = (time_us(g), ref)
 
     warm_layers = [layers[0]] * args.blocks
     warm = new_outs()
-    g = capture(lambda: sequence(warm_layers, x, warm))
+    g = captured(lambda: sequence(warm_layers, x, warm))
     results["warm (one block's weights, L2-resident bound)"] = (time_us(g), None)
 
     # each GEMM `blocks` times in a row on block 0's weight (at most 17.7 MB, gate_up): surely L2-resident
@@ -134,7 +114,7 @@ def main() -> None:
                 inp = repeat[b]["gate_up"][:, :3456] if name == "down" else x
                 repeat[b][name].copy_(F.linear(inp, w, bias))
 
-    g = capture(same_gemm_in_a_row)
+    g = captured(same_gemm_in_a_row)
     results["warm (each GEMM repeated, one weight at a time)"] = (time_us(g), None)
 
     for programs in [int(v) for v in args.programs.split(",")]:
@@ -157,7 +137,7 @@ def main() -> None:
             sequence(layers, x, outs, before)
             main_stream.wait_stream(side)
 
-        g = capture(with_prefetch)
+        g = captured(with_prefetch)
         results[f"prefetch-{programs}"] = (time_us(g), outs)
 
     base = results["plain"][0]
