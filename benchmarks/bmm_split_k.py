@@ -25,9 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from block_gemms import per_call_us  # noqa: E402 - 20 calls per CUDA graph, median of 30 replays
-
-SHAPES = {"qkv": (1280, 3840), "proj": (1280, 1280), "gate_up": (1280, 6912), "down": (3456, 1280)}
+from block_gemms import SHAPES, per_call_us  # noqa: E402 - 20 calls per CUDA graph, median of 30 replays
 
 
 def main() -> None:
