@@ -116,7 +116,9 @@ def test_a_signal_answers_everything_admitted_and_exits(serve_run, how):
         assert model["id"] == "tiny" and model["random_weights"] is True, model
         check_the_port_is_refused_to_a_second_launcher(port)
     small = {"input": [png_url(64, 1)]}
-    long_body = {"input": [png_url(448, i) for i in range(32)]}  # 4 encoder batches on a CPU: seconds, blocking others
+    # 12 images of 448² (784 patches each): two encoder batches on a CPU, seconds of work still running at the
+    # signal (asserted below) without making every case wait out a longer drain
+    long_body = {"input": [png_url(448, i) for i in range(12)]}
     results: list[tuple[str, float, object]] = []  # (who, sent at, status or exception)
     lock = threading.Lock()
     signalled = threading.Event()
