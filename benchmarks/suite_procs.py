@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 _OUT = os.environ.get("SUITE_PROCS_OUT", "suite_procs.txt")
+_STOP = Path(_OUT + ".stop")  # its existence tells the sampler to write what it saw and exit
 _INTERVAL_S = 0.2
 _sampler: subprocess.Popen | None = None
 
@@ -39,8 +40,7 @@ KINDS = [
     (r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|RuntimeEnvAgent|DashboardAgent", "Ray daemons"),
     (r"multiprocessing\.(forkserver|resource_tracker|spawn)", "decode processes"),
     (r"pytest", "pytest"),
-    (r"^ray::", "other Ray workers and actors"),
-    (r"default_worker\.py", "other Ray workers and actors"),
+    (r"^ray::|default_worker\.py", "other Ray workers and actors"),
     (r"python", "subprocesses started by tests"),
 ]
 
@@ -94,18 +94,16 @@ def table(seen: dict[str, dict]) -> str:
 
 def pytest_sessionstart(session) -> None:
     global _sampler
-    stop = Path(_OUT + ".stop")
-    stop.unlink(missing_ok=True)
-    _sampler = subprocess.Popen([sys.executable, __file__, _OUT + ".json", str(stop)])
+    _STOP.unlink(missing_ok=True)
+    _sampler = subprocess.Popen([sys.executable, __file__, _OUT + ".json", str(_STOP)])
 
 
 def pytest_sessionfinish(session) -> None:
     if _sampler is None:
         return
-    stop = Path(_OUT + ".stop")
-    stop.write_text("")
+    _STOP.write_text("")
     _sampler.wait(timeout=60)
-    stop.unlink(missing_ok=True)
+    _STOP.unlink(missing_ok=True)
     Path(_OUT).write_text(table(json.loads(Path(_OUT + ".json").read_text())))
 
 
