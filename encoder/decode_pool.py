@@ -98,6 +98,9 @@ class _Worker:
         self.proc.start()
         child.close()
         self.busy = False
+        # close() and a restart thread (or a caller releasing it) may stop the same worker at once: the pipe must
+        # be closed once, or the second os.close hits EBADF, or a descriptor that was reused meanwhile
+        self._stop_lock = threading.Lock()
 
     def wait_ready(self, timeout_s: float) -> None:
         if not self.conn.poll(timeout_s):
@@ -115,8 +118,11 @@ class _Worker:
         return self.proc.exitcode
 
     def stop(self) -> int | None:
+        """Kill the process and close the pipe; safe to call again and from several threads at once."""
         code = self.kill()
-        self.conn.close()
+        with self._stop_lock:
+            if not self.conn.closed:
+                self.conn.close()
         return code
 
 

@@ -120,6 +120,36 @@ def test_concurrent_callers_share_the_workers():
                 slow.result()
 
 
+def test_a_worker_stopped_by_two_threads_at_once_closes_its_pipe_once(monkeypatch):
+    # close() and a restart thread can stop the same worker together (seen in CI: EBADF from the second
+    # os.close). A slow close of the pipe holds the first stopper inside it while the second arrives.
+    with DecodePool(1, decode_fn=misbehaving_decode) as p:
+        (w,) = list(p._all)
+        real_close = w.conn._close
+        closes = []
+
+        def slow_close(*args):
+            closes.append(threading.current_thread().name)
+            time.sleep(0.2)
+            real_close(*args)
+
+        monkeypatch.setattr(w.conn, "_close", slow_close)
+        errors = []
+
+        def stop():
+            try:
+                w.stop()
+            except OSError as e:
+                errors.append(e)
+
+        stoppers = [threading.Thread(target=stop, name=f"stopper{i}") for i in range(2)]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join(timeout=30)
+        assert not errors and len(closes) == 1 and w.conn.closed and not w.proc.is_alive(), (errors, closes)
+
+
 def test_close_leaves_no_processes():
     p = DecodePool(2, decode_fn=misbehaving_decode)
     pids = p.pids
