@@ -7,7 +7,7 @@ call; every output is checked against float32 (`max |out - ref| / max |ref|`) in
 Then a block's four GEMMs in sequence, cuBLAS vs the best quack config per shape. Needs a Hopper GPU and
 `quack-kernels` (the FA4 pack: ../shared/device/pack-fa4.sh, plus einops).
 
-    python benchmarks/quack_gemm.py --rows 256 --out results.json
+    python benchmarks/quack_gemm.py --models qwen2.5-vl-7b,qwen3-vl-8b-8x896 --out results.json
 """
 
 from __future__ import annotations
