@@ -15,22 +15,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import timed  # noqa: E402 - median of CUDA-event timings, as every benchmark here
+from cuda_timing import per_call_us  # noqa: E402, F401 - 20 calls per CUDA graph; imported from here by others
 
 SHAPES = {"qkv": (1280, 3840), "proj": (1280, 1280), "gate_up": (1280, 6912), "down": (3456, 1280)}
-
-
-def per_call_us(fn, calls: int = 20, reps: int = 30) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return timed(g.replay, reps) * 1e3 / calls
 
 
 def main() -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_timing import timed  # noqa: E402, F401 - also imported from here by the other benchmarks
 
 import encoder  # noqa: E402
 import workspace  # noqa: E402
@@ -45,22 +47,6 @@ def use_backend(enc, name: str) -> None:
     """Every layer of `enc` on backend `name`, or `auto` (per layer kind and graph shape)."""
     tower = enc.model
     tower.set_backend(resolve_attention(name, tower.attention_kinds, enc.device, enc.dtype, enc.config.head_dim))
-
-
-def timed(fn, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds per call, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def matmul_peak() -> float:

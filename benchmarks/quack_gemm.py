@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -23,31 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
-def per_call_us(fn, calls: int = 20, reps: int = 30) -> float:
-    """µs per call of `fn`, `calls` of it captured in one CUDA graph, median of `reps` replays (CUDA events;
-    block_gemms.py's helper, repeated here because that one imports the package, which needs pydantic)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times) * 1e3 / calls
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import per_call_us  # noqa: E402 - 20 calls per CUDA graph, median of CUDA-event timings
 
 MODELS = {  # name: (rows of one 224² image, {gemm: (K, N)})
     "qwen2.5-vl-7b": (256, {"qkv": (1280, 3840), "proj": (1280, 1280), "gate_up": (1280, 6912), "down": (3456, 1280)}),
