@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cuda_timing import timed  # noqa: E402, F401 - also imported from here by the other benchmarks
+from cuda_timing import timed  # noqa: E402 - the other benchmarks import it from here too
 
 import encoder  # noqa: E402
 import workspace  # noqa: E402

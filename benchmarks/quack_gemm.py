@@ -1,5 +1,6 @@
-"""Few-row GEMMs: cuBLAS (`F.linear`, bias in cuBLASLt's epilogue) against quack's CuTe-DSL GEMM for Hopper
-(`quack-kernels`, which FlashAttention-4 depends on) with its in-kernel split-K (issue 15: one 224² image).
+"""Bias GEMMs at one image's rows and at 8 x 896²'s: cuBLAS (`F.linear`, bias in cuBLASLt's epilogue) against
+quack's CuTe-DSL GEMM for Hopper (`quack-kernels`, which FlashAttention-4 depends on) with its in-kernel split-K
+(issues 15 and 14).
 
 Per shape and quack config (tile, pingpong or cooperative, cluster, swap A/B, split-K factor in SERIAL mode:
 partial sums ordered by a turnstile, bitwise deterministic, no second kernel), 20 calls per CUDA graph, µs per
@@ -30,13 +31,14 @@ MODELS = {  # name: (rows of one 224² image, {gemm: (K, N)})
     "qwen3-vl-8b-8x896": (25088, {"qkv": (1152, 3456), "proj": (1152, 1152), "fc1": (1152, 4352), "fc2": (4352, 1152)}),
     "clip-vit-l-14": (257, {"qkv": (1024, 3072), "proj": (1024, 1024), "fc1": (1024, 4096), "fc2": (4096, 1024)}),
 }
+FEW_ROWS = 4096  # at most this many rows: small tiles, swapped operands and split-K are tried
 
 
 def candidates(rows: int):
     from quack.gemm_config import GemmConfig
 
     base = []
-    few = rows <= 4096  # few rows: small tiles, swapped operands; many: quack's own large tiles
+    few = rows <= FEW_ROWS  # many rows: quack's own large tiles
     small = ((128, 128, True), (128, 64, True), (128, 192, True))
     large = ((256, 128, False), (256, 192, False), (128, 192, True), (128, 256, False))
     tiles = small if few else large
@@ -64,6 +66,7 @@ def main() -> int:
     p.add_argument("--splits", default="1,2,4")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop trying configs after this long")
     p.add_argument("--out", default="quack_gemm.json")
+    p.add_argument("--verbose", action="store_true", help="print the traceback of each config that fails")
     args = p.parse_args()
     from quack.gemm_interface import SplitKMode, gemm_tuned
 
@@ -83,12 +86,13 @@ def main() -> int:
             scale = ref.abs().max().item()
             out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
             cublas_err = (F.linear(x, w, bias).float() - ref).abs().max().item() / scale
-            cublas = per_call_us(lambda x=x, w=w, b=bias: F.linear(x, w, b))
+            cublas_fn = lambda x=x, w=w, b=bias: F.linear(x, w, b)  # noqa: E731
+            cublas = per_call_us(cublas_fn)
             row = {"cublas_us": cublas, "cublas_err": cublas_err, "quack": {}}
-            best = (cublas, "cublas", lambda x=x, w=w, b=bias: F.linear(x, w, b))
-            cublas_fns.append(best[2])
+            best = (cublas, "cublas", cublas_fn)
+            cublas_fns.append(cublas_fn)
             for cfg in candidates(rows):
-                for split in splits if rows <= 4096 else (1,):
+                for split in splits if rows <= FEW_ROWS else (1,):
                     if time.monotonic() - started > args.budget_s:
                         break
                     key = label(cfg, split)
@@ -110,7 +114,7 @@ def main() -> int:
                             best = (us, key, fn)
                     except Exception as e:  # noqa: BLE001 - report the config and go on
                         row["quack"][key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                        if "--verbose" in sys.argv:
+                        if args.verbose:
                             traceback.print_exc()
             row["best"] = best[1]
             row["best_us"] = best[0]
