@@ -5,9 +5,29 @@ session (`ray_cluster`, from `tests/serve_fixtures.py` with the other Serve help
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+
+def _compile_the_project() -> None:
+    """Write the project's bytecode where Python is told not to (PYTHONDONTWRITEBYTECODE=1, as on the project's
+    CPU boxes). Every Ray replica, worker and subprocess the tests start imports these packages, and without
+    .pyc files each one compiles them from source again: ~0.6 CPU-s per encoder or ingress replica
+    (BENCHMARKS.md, tenth session). Python writes them itself on first import wherever the variable is unset;
+    `compileall` skips the files whose bytecode is up to date."""
+    if not sys.dont_write_bytecode:
+        return
+    import compileall
+
+    root = Path(__file__).resolve().parents[1]
+    for package in ("encoder", "workspace", "deployments", "tests", "examples"):
+        compileall.compile_dir(root / package, quiet=2)  # quiet=2: a read-only checkout compiles on import
+
+
+_compile_the_project()
 
 # Triton kernels run under the CPU interpreter when there is no GPU; the variable must be set
 # before triton is first imported.
