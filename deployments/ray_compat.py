@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these five have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these six have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -21,6 +21,12 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   them (`REPLICA_ID_FULL_ID_STR_PREFIX` + `app#deployment#id`, in `ray.serve._private.common`). `/health`
   needs to know within seconds that the last encoder replica died; `serve.status()` says so only after the
   controller's next health check, and the public state API needs the dashboard.
+* `no_driver_stack_dump()`: `ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER`, read when this
+  process connects to Ray. A driver's core worker installs absl's failure-signal handler, which answers a plain
+  SIGTERM (`kill PID`, a process manager) with a stack dump printed twice, the second time as E-level log lines,
+  and a 3 s alarm. `serve run` connects after our `build_app` returns, so its handler cannot be replaced
+  afterwards as the launcher does (`python -m deployments`). Tried instead: the environment variable of the
+  same name, which every Ray process this one starts would inherit (their crash dumps are worth keeping).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import uuid
 from functools import cache
 
 import ray
+from ray._private import ray_constants
 from ray.serve import context as serve_context
 from ray.serve._private import common as serve_common
 from ray.serve.handle import DeploymentHandle
@@ -64,6 +71,8 @@ def _missing() -> list[str]:
         missing.append("ray.serve.request_router.RequestRouter._use_replica_queue_len_cache")
     if not isinstance(getattr(serve_common, "REPLICA_ID_FULL_ID_STR_PREFIX", None), str):
         missing.append("ray.serve._private.common.REPLICA_ID_FULL_ID_STR_PREFIX")
+    if not isinstance(getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None), bool):
+        missing.append("ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER")
     return missing
 
 
@@ -129,3 +138,9 @@ def live_replica_count(app_name: str, deployment: str) -> int:
     """Replica actors of `deployment` in `app_name` that are not dead (the GCS drops a dead actor's name)."""
     prefix = f"{serve_common.REPLICA_ID_FULL_ID_STR_PREFIX}{app_name}#{deployment}#"
     return sum(1 for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def no_driver_stack_dump() -> None:
+    """Keep absl's failure-signal handler out of this process's Ray driver (see the module docstring): call
+    before `ray.init`. Its own crash handling stays Python's; Ray's other processes keep theirs."""
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True

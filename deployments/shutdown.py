@@ -37,6 +37,8 @@ import time
 import ray
 from ray.serve.exceptions import BackPressureError
 
+from .ray_compat import no_driver_stack_dump
+
 logger = logging.getLogger("ray.serve")
 
 SWITCH_NAME = "vision-drain"
@@ -209,8 +211,8 @@ def install_signal_drain(request_timeout_s: float) -> None:
             return
         from ray import serve
 
-        # Ray's C++ failure-signal handler (absl) saw the SIGTERM first, handed it on to Python, and left an
-        # alarm of 3 s that would kill the process mid-drain (measured): cancel it.
+        # Were Ray's C++ failure-signal handler (absl) installed (`no_driver_stack_dump` keeps it out), it would
+        # have seen the SIGTERM first and left an alarm of 3 s that kills the process mid-drain (measured)
         if hasattr(signal, "alarm"):
             signal.alarm(0)
         try:
@@ -223,6 +225,8 @@ def install_signal_drain(request_timeout_s: float) -> None:
 
     signal.signal(signal.SIGINT, on_sigint)
     atexit.register(on_exit)
+    # before `serve run` connects to Ray: no stack dump and E-level lines on a plain SIGTERM
+    no_driver_stack_dump()
 
 
 def main(argv: list[str] | None = None) -> int:

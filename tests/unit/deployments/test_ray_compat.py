@@ -33,3 +33,13 @@ def test_the_pin_in_pyproject_is_the_tested_range():
     (low, high) = ray_compat.TESTED_RAY
     pin = f"ray[serve,data]>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
     assert pin in project["dependencies"]
+
+
+def test_the_driver_stack_dump_switch_is_the_one_the_core_worker_reads(monkeypatch):
+    from ray._private import ray_constants
+
+    monkeypatch.setattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", False)
+    ray_compat.no_driver_stack_dump()
+    assert ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER is True
+    monkeypatch.delattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER")
+    assert ray_compat._missing() == ["ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER"]
