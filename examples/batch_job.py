@@ -62,12 +62,16 @@ def main(num_images: int = 64, model: str = "tiny", address: str | None = None) 
         make_parquet(src, num_images)
         # Ray 2.60's default Parquet reader (datasource V2) starts 32 `FooterReader` actors, each a new process,
         # every time a dataset read from Parquet runs: ~12 s per run on a 2-core machine, against 0.3 s for the
-        # V1 reader that this switch (public, in `DataContext`) keeps. Set it before the read: a dataset keeps
-        # the context it was created with.
-        ray.data.DataContext.get_current().use_datasource_v2 = False
-        ds = ray.data.read_parquet(str(src))
-        embedded = embed_dataset(ds, model=model, image_column="image", pooling="mean")
-        embedded.write_parquet(str(Path(tmp) / "embeddings"))
+        # V1 reader that this switch (public, in `DataContext`) keeps. Set it before the read (a dataset keeps
+        # the context it was created with); the caller's own setting is restored once the job ran.
+        context = ray.data.DataContext.get_current()
+        callers_v2, context.use_datasource_v2 = context.use_datasource_v2, False
+        try:
+            ds = ray.data.read_parquet(str(src))
+            embedded = embed_dataset(ds, model=model, image_column="image", pooling="mean")
+            embedded.write_parquet(str(Path(tmp) / "embeddings"))
+        finally:
+            context.use_datasource_v2 = callers_v2
         table = pa.concat_tables([pq.read_table(p) for p in sorted((Path(tmp) / "embeddings").glob("*.parquet"))])
     table = table.sort_by("id")
     dim = table.schema.field("embedding").type.list_size

@@ -414,6 +414,11 @@ def test_example_runs(ray_cluster):
         import batch_job
     finally:
         sys.path.remove(str(ROOT / "examples"))
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    assert context.use_datasource_v2 is True  # Ray 2.60's default, which the example switches off for its read
     table = batch_job.main(num_images=24)
+    assert context.use_datasource_v2 is True  # and gives back: the caller's context is not left changed
     assert table.num_rows == 24 and table.schema.field("embedding").type == pa.list_(pa.float32(), 128)
     assert table.column("error").null_count == 24
