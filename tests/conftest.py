@@ -18,7 +18,7 @@ def _compile_the_project() -> None:
     .pyc files each one compiles them from source again: ~0.6 CPU-s per encoder or ingress replica
     (BENCHMARKS.md, tenth session). Python writes them itself on first import wherever the variable is unset;
     `compileall` skips the files whose bytecode is up to date."""
-    if not sys.dont_write_bytecode:
+    if not sys.dont_write_bytecode or os.environ.get("PYTEST_XDIST_WORKER"):  # workers: their controller did
         return
     import compileall
 
@@ -41,10 +41,22 @@ except ImportError as exc:
         raise
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """With pytest-xdist (`-n 2`, the README's test command) the unit of work is a test module: each module
+    deploys its application once (module-scoped fixtures), in the worker that runs it. xdist's default would
+    split a module's tests over the workers and deploy its application in each. Runs before xdist's own hook
+    (registered later, called first), which leaves a chosen mode alone."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "no":
+        config.option.dist = "loadfile"
+
+
 def pytest_collection_modifyitems(config, items):
-    # Modules that replace the session's shared Ray instance with one of their own (`own_ray`) run last, so
-    # nothing waits for the shared one to be started again after them (~15 s: Ray, then Serve).
-    items.sort(key=lambda item: "own_ray" in item.keywords)  # stable: the order within each group is kept
+    # Modules that replace the session's shared Ray instance with one of their own (`own_ray`) run first: before
+    # anything has started the shared one, which would then be shut down and started again after them (~15 s:
+    # Ray, then Serve). First also balances the two xdist workers: the longest module is not left for the end,
+    # when the other worker has run out of work.
+    items.sort(key=lambda item: "own_ray" not in item.keywords)  # stable: the order within each group is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")

@@ -30,8 +30,8 @@ def free_port() -> int:
 
 def ensure_ray() -> bool:
     """Start the session's Ray instance unless one is connected; whether this call started it. A module that
-    needs a Ray of its own (`pytest.mark.own_ray`, run last: tests/conftest.py) shuts it down and leaves it
-    down; whatever needs it after that starts it again here."""
+    needs a Ray of its own (`pytest.mark.own_ray`, run first: tests/conftest.py) shuts it down if it runs
+    and leaves it down; whatever needs it after that starts it again here."""
     if ray.is_initialized():
         return False
     # log_to_driver=False: replica and worker logs stay in Ray's log files (/tmp/ray/session_*/logs) instead

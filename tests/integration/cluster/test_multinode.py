@@ -11,9 +11,9 @@ through the same CLIs the README's "Scale out" section uses:
 * `ray job submit -- python -m deployments.batch ...` while the service keeps one GPU per node: the job's
   two GPU encoder actors run one on each node.
 
-This module needs its own Ray: it shuts down the session's shared instance (tests/serve_fixtures.py) first
-and leaves it down; it is marked `own_ray`, so it runs after every other module (tests/conftest.py), and
-anything that needs the shared instance after it starts it again (`serve_fixtures.ensure_ray`).
+This module needs its own Ray: it shuts down the session's shared instance (tests/serve_fixtures.py) if one
+runs and leaves it down; it is marked `own_ray`, so it runs before every other module (tests/conftest.py),
+before anything has started the shared one, and what needs that one after it starts it (`serve_fixtures.ensure_ray`).
 The nodes get the repository on PYTHONPATH (what `pip install -e .` does on a real cluster).
 """
 
