@@ -56,7 +56,8 @@ def pytest_collection_modifyitems(config, items):
     # anything has started the shared one, which would then be shut down and started again after them (~15 s:
     # Ray, then Serve). First also balances the two xdist workers: the longest module is not left for the end,
     # when the other worker has run out of work.
-    items.sort(key=lambda item: "own_ray" not in item.keywords)  # stable: the order within each group is kept
+    # Then the `slow` tests, the fast ones last: under xdist the workers' last pieces of work are then small.
+    items.sort(key=lambda item: ("own_ray" not in item.keywords, "slow" not in item.keywords))  # stable sort
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")

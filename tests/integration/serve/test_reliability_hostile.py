@@ -112,14 +112,16 @@ def test_a_scan_bomb_is_refused_and_health_answers_meanwhile(app, client, bomb, 
     r, seconds = out[0]
     assert r.status_code == 413 and r.json()["error"]["code"] == code, r.text
     assert r.json()["error"]["message"].startswith("input[0]: "), r.text
-    assert seconds < 3.0, seconds
+    # working: 0.04 s (scan limit), 1.07 s (the 1 s deadline); broken, the bomb decodes for 3.7 s and is answered
+    # 200 (the status above). The bound only says "promptly", 5x what the deadline case takes
+    assert seconds < 6.0, seconds
     assert all(status == 200 and s < 1.5 for status, s in health), health
     print(f"{code}: 413 in {seconds:.2f}s; /health x{len(health)}, slowest {max(s for _, s in health):.3f}s")
 
 
 def test_pool_bombs_cost_their_senders_a_worker_for_the_deadline(app, client):
-    """Four bombs at once get 413 within 5 s (their workers are killed and replaced); a two-image request sent
-    2 s after them succeeds within 5 s."""
+    """Four bombs at once get 413 (their workers are killed at the 1 s deadline and replaced: 1.05-2.06 s on this
+    box; bounded at 11 s, 5x that); a two-image request sent 2 s after them succeeds within 5 s (0.14 s)."""
     pids = decode_pids(app)
     bombs = [
         in_thread(timed_post, httpx.Client(base_url=app.base_url, timeout=60), {"input": [POOL_BOMB]}) for _ in range(4)
@@ -135,7 +137,7 @@ def test_pool_bombs_cost_their_senders_a_worker_for_the_deadline(app, client):
         thread.join()
         bomb, bomb_s = out[0]
         assert bomb.status_code == 413 and bomb.json()["error"]["code"] == "image_decode_timeout", bomb.text
-        assert bomb_s < 5.0, bomb_s
+        assert bomb_s < 11.0, bomb_s
         bomb_times.append(round(bomb_s, 2))
     print(f"four pool bombs: 413 after {sorted(bomb_times)} s; the two-image request 2 s later: {seconds:.2f}s")
     wait_for(lambda: len(decode_pids(app)) == 2, timeout_s=30, what="the replaced decode processes")
