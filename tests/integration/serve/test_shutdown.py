@@ -5,7 +5,8 @@ own Ray. Eight
 client loops send one-image requests and one long request (many images) is in flight when the process gets
 SIGINT (as Ctrl-C sends it, to the process group) or SIGTERM: every request sent before the signal is
 answered 200, requests after it get 200 (still on their way) or 503 `shutting_down` with Retry-After or a
-refused connection, and the process is gone within 40 s. The launcher's run also checks what a user meets
+refused connection, and the process is gone within 60 s (issue 17's bound is 40 s; it takes 10.5-11.8 s).
+The launcher's run also checks what a user meets
 first: it serves on the port it is given (the start-up summary names the URL, `/v1/models` marks the random
 weights), a second launcher on the same port is refused at once, and SIGTERM ends it with status 0 and no
 traceback.
@@ -33,7 +34,10 @@ from tests.serve_fixtures import free_port, wait_for
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
-DOWN_WITHIN_S = 40.0  # the issue's acceptance bound
+# Working, the process is gone 10.5-11.8 s after the signal (2026-12-02); issue 17's bound is 40 s, but a bound in a
+# test stays 5x above what it measures (issue 18). Broken (no drain, or a drain that never ends) is
+# request_timeout_s + 45 s = 75 s here, or never
+DOWN_WITHIN_S = 60.0
 # Broken (before issue 18), a second service on a taken port started its own Ray and split the requests;
 # working, the refusal takes the launcher's imports, ~6 s here. The bound separates the two with room.
 REFUSED_WITHIN_S = 30.0
