@@ -43,7 +43,7 @@ except ImportError as exc:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """With pytest-xdist (`-n 2`, the README's test command) the unit of work is a test module: each module
+    """With pytest-xdist (`-n 2`, README "Tests") the unit of work is a test module: each module
     deploys its application once (module-scoped fixtures), in the worker that runs it. xdist's default would
     split a module's tests over the workers and deploy its application in each. Runs before xdist's own hook
     (registered later, called first), which leaves a chosen mode alone."""
