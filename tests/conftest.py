@@ -41,23 +41,39 @@ except ImportError as exc:
         raise
 
 
+# Under pytest-xdist the modules that start Ray instances of their own run one after another in one worker
+# (`xdist_group`): two of them side by side on a 2-core box once made a node's start time out after 40 s
+# (BENCHMARKS.md, tenth session). Every other module is a group of its own.
+RAY_OF_ITS_OWN = "ray-of-its-own"
+
+
+def starts_ray(item) -> bool:
+    return "own_ray" in item.keywords or "spawns_ray" in item.keywords
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """With pytest-xdist (`-n 2`, README "Tests") the unit of work is a test module: each module
-    deploys its application once (module-scoped fixtures), in the worker that runs it. xdist's default would
-    split a module's tests over the workers and deploy its application in each. Runs before xdist's own hook
-    (registered later, called first), which leaves a chosen mode alone."""
+    """With pytest-xdist (`-n 2`, README "Tests") the unit of work is a group of whole test modules: each module
+    deploys its application once (module-scoped fixtures), in the worker that runs it; xdist's default would
+    split a module's tests over the workers and deploy its application in each. The groups go out in the order
+    `pytest_collection_modifyitems` gives them, not xdist's default of the largest first. Runs before xdist's
+    own hook (registered later, called first), which leaves a chosen mode alone."""
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "no":
-        config.option.dist = "loadfile"
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
     # Modules that replace the session's shared Ray instance with one of their own (`own_ray`) run first: before
     # anything has started the shared one, which would then be shut down and started again after them (~15 s:
-    # Ray, then Serve). First also balances the two xdist workers: the longest module is not left for the end,
-    # when the other worker has run out of work.
-    # Then the `slow` tests, the fast ones last: under xdist the workers' last pieces of work are then small.
-    items.sort(key=lambda item: ("own_ray" not in item.keywords, "slow" not in item.keywords))  # stable sort
+    # Ray, then Serve). Then those that start Ray in subprocesses (`spawns_ray`): the shared instance is not up
+    # yet to take its share of the CPU. Then the other `slow` tests, the fast ones last. Under xdist that puts
+    # the longest group first and leaves the workers small pieces of work at the end.
+    items.sort(key=lambda item: ("own_ray" not in item.keywords, not starts_ray(item), "slow" not in item.keywords))
+    if config.getoption("dist", "no") == "loadgroup":  # xdist reads the marks after this hook (trylast)
+        for item in items:
+            group = RAY_OF_ITS_OWN if starts_ray(item) else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")

@@ -20,7 +20,7 @@ import pytest
 from tests.images_util import encode, random_image
 from tests.serve_fixtures import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
 
 FAST_PATH_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",

@@ -31,7 +31,7 @@ from PIL import Image
 
 from tests.serve_fixtures import free_port, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
 
 ROOT = Path(__file__).resolve().parents[3]
 # Working, the process is gone 10.5-11.8 s after the signal (2026-12-02); issue 17's bound is 40 s, but a bound in a
