@@ -1,15 +1,16 @@
 """Graceful shutdown of `serve run` and of the launcher `python -m deployments` (issue 17, item 5).
 
 `serve run deployments:build_app model=tiny` (or the launcher) runs as a subprocess on a free port with its
-own Ray. Eight
-client loops send one-image requests and one long request (many images) is in flight when the process gets
-SIGINT (as Ctrl-C sends it, to the process group) or SIGTERM: every request sent before the signal is
-answered 200, requests after it get 200 (still on their way) or 503 `shutting_down` with Retry-After or a
-refused connection, and the process is gone within 60 s (issue 17's bound is 40 s; it takes 10.5-11.8 s).
-The launcher's run also checks what a user meets
-first: it serves on the port it is given (the start-up summary names the URL, `/v1/models` marks the random
-weights), a second launcher on the same port is refused at once, and SIGTERM ends it with status 0 and no
-traceback.
+own Ray. Eight client loops send one-image requests and one long request (many images) is in flight when the
+process gets SIGINT (as Ctrl-C sends it, to the process group) or SIGTERM: every request sent before the signal
+is answered 200, requests after it get 200 (still on their way) or 503 `shutting_down` with Retry-After or a
+refused connection, and the process is gone within 60 s (issue 17's bound is 40 s; it takes 10.5-11.8 s). The
+launcher's run also checks what a user meets first: it serves on the port it is given (the start-up summary
+names the URL, `/v1/models` marks the random weights), a second launcher on the same port is refused at once,
+and SIGTERM ends it with status 0 and no traceback.
+
+Each case's process starts when the case before it has sent its signal (`Launches`): its start-up overlaps the
+other's drain.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -62,23 +65,82 @@ def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"}  # its own Ray, never a cluster here
 
 
-@pytest.fixture
-def serve_run(tmp_path, request):
-    port = free_port()
-    env = environment()
-    log = open(tmp_path / "serve_run.log", "wb")  # noqa: SIM115 - closed below
-    args = ["model=tiny", "ingress_batch_size=0", "request_timeout_s=30"]
-    proc = subprocess.Popen(
-        command(request.param, port, args),
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+@dataclass
+class Launch:
+    kind: str  # "serve run" or "launcher"
+    how: str  # a key of SIGNALS
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+
+class Launches:
+    """The selected cases' processes. Each is started while the case before it drains and exits, so its start-up
+    (~15 s of imports, Ray, Serve and the deployment) overlaps that wait instead of following it. They are
+    independent: each has its own port, log and Ray instance, and its own process group."""
+
+    def __init__(self, cases: list[tuple[str, str]], log_dir: Path):
+        self.cases, self.log_dir = cases, log_dir
+        self.started: dict[tuple[str, str], Launch] = {}
+        self.logs: list = []
+
+    def take(self, case: tuple[str, str]) -> Launch:
+        if case not in self.started:
+            port = free_port()
+            log_path = self.log_dir / f"case{len(self.started)}.log"
+            log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+            self.logs.append(log)
+            args = ["model=tiny", "ingress_batch_size=0", "request_timeout_s=30"]
+            proc = subprocess.Popen(
+                command(case[0], port, args),
+                cwd=ROOT, env=environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+            self.started[case] = Launch(*case, proc, port, log_path)
+        return self.started[case]
+
+    def start_the_next(self, case: tuple[str, str]) -> None:
+        at = self.cases.index(case)
+        if at + 1 < len(self.cases):
+            self.take(self.cases[at + 1])
+
+    def kill(self, launch: Launch) -> None:
+        if launch.proc.poll() is None:  # a test failed: take the whole session (its Ray included) down
+            os.killpg(launch.proc.pid, signal.SIGKILL)
+            launch.proc.wait()
+
+    def close(self) -> None:
+        for launch in self.started.values():
+            self.kill(launch)
+        for log in self.logs:
+            log.close()
+
+
+CASES = [("serve run", "SIGINT to the group (Ctrl-C)"), ("serve run", "SIGTERM to the process"),
+         ("launcher", "SIGTERM to the process")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory) -> Iterator[Launches]:
+    # the cases this session runs, in their order (`-k` may select some)
+    selected = [
+        tuple(item.callspec.params["launch"])
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec") and "launch" in item.callspec.params
+    ]
+    launched = Launches(selected, tmp_path_factory.mktemp("shutdown"))
     try:
-        yield proc, port, tmp_path / "serve_run.log", request.param
+        yield launched
     finally:
-        if proc.poll() is None:  # the test failed: take the whole session (its Ray included) down
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        launched.close()
+
+
+@pytest.fixture
+def launch(request, launches) -> Iterator[Launch]:
+    started = launches.take(tuple(request.param))
+    try:
+        yield started
+    finally:
+        launches.kill(started)
 
 
 # SIGINT to the whole process group is what Ctrl-C in a terminal does (Ray's own processes block SIGINT);
@@ -98,20 +160,16 @@ def check_the_port_is_refused_to_a_second_launcher(port: int) -> None:
     assert "Started a local Ray instance" not in done.stderr and seconds < REFUSED_WITHIN_S, (seconds, done.stderr)
 
 
-@pytest.mark.parametrize(
-    ("serve_run", "how"),
-    [("serve run", how) for how in SIGNALS] + [("launcher", "SIGTERM to the process")],
-    indirect=["serve_run"],
-)
-def test_a_signal_answers_everything_admitted_and_exits(serve_run, how):
-    proc, port, log, kind = serve_run
+@pytest.mark.parametrize("launch", CASES, indirect=True, ids=[f"{kind}-{how}" for kind, how in CASES])
+def test_a_signal_answers_everything_admitted_and_exits(launch, launches):
+    proc, port, log, how = launch.proc, launch.port, launch.log, launch.how
     base = f"http://127.0.0.1:{port}"
-    launcher = kind == "launcher"
+    launcher = launch.kind == "launcher"
     send, signum = SIGNALS[how]
 
     def healthy() -> bool:
         if proc.poll() is not None:  # pytest.fail is not an Exception: wait_for does not swallow it
-            pytest.fail(f"serve run exited while starting:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"{launch.kind} exited while starting:\n{log.read_text()[-3000:]}")
         return httpx.get(f"{base}/health", timeout=5).status_code == 200
 
     wait_for(healthy, timeout_s=300, interval_s=0.5, what="serve run's /health")
@@ -177,10 +235,11 @@ def test_a_signal_answers_everything_admitted_and_exits(serve_run, how):
     signal_at = time.monotonic()
     signalled.set()
     send(proc.pid, signum)
+    launches.start_the_next((launch.kind, how))  # while this one drains and exits
     try:
         proc.wait(timeout=DOWN_WITHIN_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"serve run still up {DOWN_WITHIN_S}s after SIGINT:\n{log.read_text()[-4000:]}")
+        pytest.fail(f"{launch.kind} still up {DOWN_WITHIN_S}s after {how}:\n{log.read_text()[-4000:]}")
     down_after = time.monotonic() - signal_at
     long_thread.join(timeout=30)
     for t in loops:
