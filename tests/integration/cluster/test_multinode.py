@@ -114,6 +114,12 @@ def local_cluster() -> Iterator[LocalCluster]:
     saved_pythonpath = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved_pythonpath) if p)
     temp_dir = tempfile.mkdtemp(prefix="raymn")  # short: Ray's socket paths live under it
+    # `Cluster` first records the head's address in Ray's default temp dir (moved out by `_own_address_file`),
+    # and on a machine where Ray never ran that directory does not exist yet: the record fails with
+    # FileNotFoundError (a fresh CI machine, where this module is the first to start Ray)
+    from ray._private.utils import get_ray_address_file
+
+    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
     cluster = None
     try:
         cluster = Cluster(
