@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these six have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these seven have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -27,27 +27,39 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   and a 3 s alarm. `serve run` connects after our `build_app` returns, so its handler cannot be replaced
   afterwards as the launcher does (`python -m deployments`). Tried instead: the environment variable of the
   same name, which every Ray process this one starts would inherit (their crash dumps are worth keeping).
+* `quiet_token_auth_notice()`: a filter on the logger of `ray._private.authentication.authentication_token_setup`
+  that drops its "Token authentication is enabled for this Ray cluster" notice, printed at every start of a
+  local instance (`python -m deployments`, the batch CLI): authentication stays on, only the notice goes (the
+  "is disabled" warning, a real risk, is kept). Tried instead: setting `RAY_AUTH_MODE=token` ourselves, which
+  Ray takes as explicit and does not announce; but `import ray` caches Ray's config before our entry points
+  could set it (`deployments` imports Ray), and a driver whose cached mode disagrees with the processes it
+  starts cannot authenticate to them.
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+import importlib.util
 import inspect
 import logging
 import uuid
 from functools import cache
+from typing import TYPE_CHECKING
 
 import ray
 from ray._private import ray_constants
-from ray.serve import context as serve_context
-from ray.serve._private import common as serve_common
-from ray.serve.handle import DeploymentHandle
-from ray.serve.request_router import RequestRouter
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+    from ray.serve.request_router import RequestRouter
 
 logger = logging.getLogger("ray.serve")
 
 TESTED_RAY = ((2, 60), (2, 61))  # [low, high) of (major, minor): what pyproject.toml pins
+# the module (and so the logger name) that announces token authentication at a local start
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
 
 
 class RayCompatError(RuntimeError):
@@ -56,6 +68,13 @@ class RayCompatError(RuntimeError):
 
 def _missing() -> list[str]:
     """The private APIs (as `module.name`) the installed Ray does not have."""
+    # Serve's modules are imported where used, not at the top: the batch CLI imports this module (for
+    # `quiet_token_auth_notice`) and has no other use for Serve (2-3 CPU-s of imports)
+    from ray.serve import context as serve_context
+    from ray.serve._private import common as serve_common
+    from ray.serve.handle import DeploymentHandle
+    from ray.serve.request_router import RequestRouter
+
     missing = []
     if not callable(getattr(serve_context, "_get_serve_request_context", None)):
         missing.append("ray.serve.context._get_serve_request_context")
@@ -73,6 +92,8 @@ def _missing() -> list[str]:
         missing.append("ray.serve._private.common.REPLICA_ID_FULL_ID_STR_PREFIX")
     if not isinstance(getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None), bool):
         missing.append("ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER")
+    if importlib.util.find_spec(TOKEN_AUTH_LOGGER) is None:
+        missing.append(TOKEN_AUTH_LOGGER)
     return missing
 
 
@@ -100,6 +121,8 @@ def check_ray() -> None:
 def call_as_new_request(method, *args, **kwargs):
     """`method.remote(*args, **kwargs)` as a request of its own: the current Serve request context with a
     fresh internal request id (see the module docstring)."""
+
+    from ray.serve import context as serve_context
 
     def call():
         current = serve_context._get_serve_request_context()
@@ -136,6 +159,8 @@ class SelectionHook:
 
 def live_replica_count(app_name: str, deployment: str) -> int:
     """Replica actors of `deployment` in `app_name` that are not dead (the GCS drops a dead actor's name)."""
+    from ray.serve._private import common as serve_common
+
     prefix = f"{serve_common.REPLICA_ID_FULL_ID_STR_PREFIX}{app_name}#{deployment}#"
     return sum(1 for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
 
@@ -144,3 +169,15 @@ def no_driver_stack_dump() -> None:
     """Keep absl's failure-signal handler out of this process's Ray driver (see the module docstring): call
     before `ray.init`. Its own crash handling stays Python's; Ray's other processes keep theirs."""
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
+def _not_the_token_auth_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(TOKEN_AUTH_NOTICE)
+
+
+def quiet_token_auth_notice() -> None:
+    """Drop Ray's "token authentication is enabled" notice from this process's log (see the module docstring):
+    call before `ray.init`. Idempotent; every other record of that logger passes."""
+    target = logging.getLogger(TOKEN_AUTH_LOGGER)
+    if _not_the_token_auth_notice not in target.filters:
+        target.addFilter(_not_the_token_auth_notice)

@@ -37,7 +37,7 @@ import time
 import ray
 from ray.serve.exceptions import BackPressureError
 
-from .ray_compat import no_driver_stack_dump
+from .ray_compat import no_driver_stack_dump, quiet_token_auth_notice
 
 logger = logging.getLogger("ray.serve")
 
@@ -225,8 +225,10 @@ def install_signal_drain(request_timeout_s: float) -> None:
 
     signal.signal(signal.SIGINT, on_sigint)
     atexit.register(on_exit)
-    # before `serve run` connects to Ray: no stack dump and E-level lines on a plain SIGTERM
+    # before `serve run` connects to Ray: no stack dump and E-level lines on a plain SIGTERM, and no notice that
+    # token authentication is on (it stays on)
     no_driver_stack_dump()
+    quiet_token_auth_notice()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -219,11 +219,14 @@ class PartsRunner:
         """The job's options with the cluster's GPUs and the rows per encoder batch decided."""
         import ray
 
+        from ..ray_compat import quiet_token_auth_notice
+
         cfg = self.cfg
         if not ray.is_initialized():
             address = ray_address(cfg.address)
             if address == "local":  # a Ray instance of this process's own: ended with it, even on SIGKILL
                 start_reaper()
+            quiet_token_auth_notice()  # authentication stays on; Ray's notice of it at every start goes
             ray.init(address=address)
         gpus = gpus_in_cluster() if cfg.num_gpus is None else cfg.num_gpus
         batch_size = cfg.batch_size

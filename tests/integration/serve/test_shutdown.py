@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from deployments.ray_compat import TOKEN_AUTH_NOTICE
 from tests.serve_fixtures import free_port, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
@@ -62,7 +63,10 @@ def command(kind: str, port: int, args: list[str]) -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"}  # its own Ray, never a cluster here
+    # its own Ray, never a cluster here; RAY_AUTH_MODE unset, as a newcomer has it (a Ray instance started earlier
+    # in this session sets it for this process): Ray then turns token authentication on and announces it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    return env | {"PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"}
 
 
 @dataclass
@@ -258,6 +262,7 @@ def test_a_signal_answers_everything_admitted_and_exits(launch, launches):
     assert "Traceback" not in output, output[-3000:]
     # nor a stack dump (Ray's failure-signal handler printed one, twice, on SIGTERM to `serve run`)
     assert "SIGTERM received" not in output, output[-3000:]
+    assert TOKEN_AUTH_NOTICE not in output, output[-3000:]  # authentication is on; the notice is dropped
     if launcher:
         assert proc.returncode == 0, output[-3000:]
         assert f"ready at http://127.0.0.1:{port}/v1" in output, output[-3000:]

@@ -43,3 +43,38 @@ def test_the_driver_stack_dump_switch_is_the_one_the_core_worker_reads(monkeypat
     assert ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER is True
     monkeypatch.delattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER")
     assert ray_compat._missing() == ["ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER"]
+
+
+def test_the_token_auth_notice_is_dropped_and_the_disabled_warning_kept(caplog):
+    import logging
+
+    from ray._private.authentication import authentication_token_setup as setup
+
+    caplog.set_level(logging.INFO, logger=ray_compat.TOKEN_AUTH_LOGGER)
+    setup._warn_token_auth_enabled()  # Ray's own notice: the text the filter matches
+    assert any(r.getMessage().startswith(ray_compat.TOKEN_AUTH_NOTICE) for r in caplog.records), caplog.text
+    caplog.clear()
+    target = logging.getLogger(ray_compat.TOKEN_AUTH_LOGGER)
+    try:
+        ray_compat.quiet_token_auth_notice()
+        ray_compat.quiet_token_auth_notice()
+        assert len(target.filters) == 1
+        setup._warn_token_auth_enabled()
+        setup._warn_token_auth_disabled()
+        target.info("another record of that logger")
+        assert [r.getMessage()[:42] for r in caplog.records] == [
+            "Token authentication is disabled for this ",
+            "another record of that logger",
+        ]
+    finally:
+        for f in list(target.filters):
+            target.removeFilter(f)
+
+
+def test_importing_the_module_imports_no_serve():
+    import subprocess
+    import sys
+
+    code = "import sys, deployments.ray_compat; print(sorted(m for m in sys.modules if m.startswith('ray.serve')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
