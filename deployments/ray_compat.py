@@ -29,11 +29,12 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   same name, which every Ray process this one starts would inherit (their crash dumps are worth keeping).
 * `quiet_token_auth_notice()`: a filter on the logger of `ray._private.authentication.authentication_token_setup`
   that drops its "Token authentication is enabled for this Ray cluster" notice, printed at every start of a
-  local instance (`python -m deployments`, the batch CLI): authentication stays on, only the notice goes (the
-  "is disabled" warning, a real risk, is kept). Tried instead: setting `RAY_AUTH_MODE=token` ourselves, which
-  Ray takes as explicit and does not announce; but `import ray` caches Ray's config before our entry points
-  could set it (`deployments` imports Ray), and a driver whose cached mode disagrees with the processes it
-  starts cannot authenticate to them.
+  local instance (`python -m deployments`, `serve run deployments:...`, `run_job` and so the batch CLI):
+  authentication stays on, only the notice goes (the "is disabled" warning, a real risk, is kept). Not in
+  `embed_dataset`, whose Ray and logging are the caller's. Tried instead: setting `RAY_AUTH_MODE=token`
+  ourselves, which Ray takes as explicit and does not announce; but `import ray` caches Ray's config before
+  our entry points could set it (`deployments` imports Ray), and a driver whose cached mode disagrees with
+  the processes it starts cannot authenticate to them.
 """
 
 from __future__ import annotations

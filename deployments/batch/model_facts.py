@@ -108,10 +108,8 @@ def gpus_in_cluster() -> int:
     import ray
 
     from ..preflight import ray_address
-    from ..ray_compat import quiet_token_auth_notice
 
     if not ray.is_initialized():
-        quiet_token_auth_notice()
         ray.init(address=ray_address(None))
     return int(ray.cluster_resources().get("GPU", 0))
 
