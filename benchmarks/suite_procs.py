@@ -94,6 +94,8 @@ def table(seen: dict[str, dict]) -> str:
 
 def pytest_sessionstart(session) -> None:
     global _sampler
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under `-n`: one sampler, the controller's, sees every process
+        return
     _STOP.unlink(missing_ok=True)
     _sampler = subprocess.Popen([sys.executable, __file__, _OUT + ".json", str(_STOP)])
 

@@ -41,26 +41,55 @@ except ImportError as exc:
         raise
 
 
-# Under pytest-xdist the modules that start Ray instances of their own run one after another in one worker
-# (`xdist_group`): two of them side by side on a 2-core box once made a node's start time out after 40 s
-# (BENCHMARKS.md, tenth session). Every other module is a group of its own.
+# Under pytest-xdist (`-n 2`, README "Tests") the unit of work is a whole test module: each module deploys its
+# application once (module-scoped fixtures), in the worker that runs it, where xdist's default would split a module
+# over the workers and deploy its application in each. The modules that start Ray instances of their own (marked
+# `own_ray` or `spawns_ray`, listed here because xdist's controller sees test ids, not marks) go together, one after
+# another in one worker: two of them side by side on a 2-core box once made a node's start time out after 40 s
+# (BENCHMARKS.md, tenth session). `pytest_collection_modifyitems` checks the list against the marks.
 RAY_OF_ITS_OWN = "ray-of-its-own"
+RAY_OF_ITS_OWN_MODULES = frozenset({
+    "tests/integration/batch/test_batch_reaper.py",
+    "tests/integration/cluster/test_multinode.py",
+    "tests/integration/serve/test_serve_fast_path.py",
+    "tests/integration/serve/test_shutdown.py",
+})  # fmt: skip
 
 
 def starts_ray(item) -> bool:
     return "own_ray" in item.keywords or "spawns_ray" in item.keywords
 
 
+def xdist_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under xdist: its module, or the group of modules with a Ray of their own."""
+    module = nodeid.split("::", 1)[0]
+    return RAY_OF_ITS_OWN if module in RAY_OF_ITS_OWN_MODULES else module
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """With pytest-xdist (`-n 2`, README "Tests") the unit of work is a group of whole test modules: each module
-    deploys its application once (module-scoped fixtures), in the worker that runs it; xdist's default would
-    split a module's tests over the workers and deploy its application in each. The groups go out in the order
-    `pytest_collection_modifyitems` gives them, not xdist's default of the largest first. Runs before xdist's
-    own hook (registered later, called first), which leaves a chosen mode alone."""
+    """`-n N` without `--dist`: whole modules (`xdist_unit`), in the order `pytest_collection_modifyitems` gives
+    them, not xdist's default of the largest first. Runs before xdist's own hook (registered later, called first),
+    which leaves a chosen mode alone."""
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "no":
-        config.option.dist = "loadgroup"
+        config.option.dist = "loadfile"
         config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's `loadfile` with the own-Ray modules as one unit. (Not `loadgroup` with `xdist_group` marks: with
+    pytest 9.2 xdist 3.8 groups nothing, as pytest-dev/pytest-xdist#1386 reports; measured here on 2026-12-03,
+    every module was split over both workers and most applications were deployed twice.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid)
+
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -70,10 +99,10 @@ def pytest_collection_modifyitems(config, items):
     # yet to take its share of the CPU. Then the other `slow` tests, the fast ones last. Under xdist that puts
     # the longest group first and leaves the workers small pieces of work at the end.
     items.sort(key=lambda item: ("own_ray" not in item.keywords, not starts_ray(item), "slow" not in item.keywords))
-    if config.getoption("dist", "no") == "loadgroup":  # xdist reads the marks after this hook (trylast)
-        for item in items:
-            group = RAY_OF_ITS_OWN if starts_ray(item) else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+    unlisted = {i.nodeid.split("::")[0] for i in items if starts_ray(i) != (xdist_unit(i.nodeid) == RAY_OF_ITS_OWN)}
+    if unlisted:
+        why = f"RAY_OF_ITS_OWN_MODULES and the own_ray/spawns_ray marks disagree on {sorted(unlisted)}"
+        pytest.exit(f"tests/conftest.py: {why}", returncode=4)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")
