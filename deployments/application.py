@@ -15,7 +15,7 @@ from encoder.errors import validation_reason
 from .config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from .ingress import VisionIngress
 from .preflight import AppConfigError, check_model
-from .ray_compat import check_ray
+from .ray_compat import check_ray, quick_serve_polls
 from .replica import EncoderReplica
 from .shutdown import in_serve_run, install_signal_drain
 
@@ -33,6 +33,7 @@ def build_app(args: dict | AppArgs | None = None):
     may run on other nodes, so a checkpoint directory needs only its config.json here.
     """
     check_ray()
+    quick_serve_polls()  # `serve.run` of this app in this process answers within 0.1 s of it being RUNNING
     try:
         a = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args or {}))
     except ValidationError as exc:

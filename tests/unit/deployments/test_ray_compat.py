@@ -78,3 +78,13 @@ def test_importing_the_module_imports_no_serve():
     code = "import sys, deployments.ray_compat; print(sorted(m for m in sys.modules if m.startswith('ray.serve')))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_serve_client_waits_poll_quickly_and_the_check_names_the_constant(monkeypatch):
+    from ray.serve._private import client as serve_client
+
+    monkeypatch.setattr(serve_client, "CLIENT_POLLING_INTERVAL_S", 1.0)  # Ray's default
+    ray_compat.quick_serve_polls()
+    assert serve_client.CLIENT_POLLING_INTERVAL_S == ray_compat.QUICK_POLL_S == 0.1
+    monkeypatch.delattr(serve_client, "CLIENT_POLLING_INTERVAL_S")
+    assert ray_compat._missing() == ["ray.serve._private.client.CLIENT_POLLING_INTERVAL_S"]
