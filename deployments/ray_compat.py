@@ -37,11 +37,11 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   the processes it starts cannot authenticate to them.
 * `quick_serve_polls()`: `ray.serve._private.client.CLIENT_POLLING_INTERVAL_S`, how long Serve's client sleeps
   between two looks at the controller while `serve.run` waits for the application to be RUNNING and while
-  `serve.delete` / `serve.run` of a new version wait for the old one to go: 1 s, so `serve run`, the launcher
-  and every `serve.run` in a pipeline answered up to a second after the application was ready (0.3-1.2 s
-  quicker per deployment, 0.2-0.3 s per deletion at 0.1 s, measured on the 2-core box on 2026-12-03). A look is
-  one small controller call. Considered instead: `serve.run(..., _blocking=False)` (also private) and our own
-  poll of `serve.status()`, which would drop Serve's own checks of the proxies and of a failed deployment.
+  `serve.delete` waits for it to go: 1 s, so `serve run`, the launcher and every `serve.run` in a pipeline
+  answered up to a second after the application was ready. At 0.1 s a deployment returned 0.3-1.2 s sooner and
+  a deletion 0.2-0.3 s sooner (the 2-core box, 2026-12-03). A look is one small controller call. Considered
+  instead: `serve.run(..., _blocking=False)` (also private) and our own poll of `serve.status()`, which would
+  drop Serve's own checks of the proxies and of a failed deployment.
 """
 
 from __future__ import annotations
