@@ -84,6 +84,7 @@ def session_pids(sid: int) -> list[int]:
         ("slow-to-go", {"after-the-note", "while-terminated"}, 3),  # the driver, its raylet, one worker
         ("dies-first", {"after-the-note"}, 2),  # the driver and the orphaned worker
     ],
+    ids=["raylet slow to go", "raylet gone first"],
 )
 def test_processes_started_after_the_last_poll_are_ended_with_the_killed_driver(
     tmp_path, raylet, late_workers, running
