@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these eight have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these nine have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -35,6 +35,14 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   ourselves, which Ray takes as explicit and does not announce; but `import ray` caches Ray's config before
   our entry points could set it (`deployments` imports Ray), and a driver whose cached mode disagrees with
   the processes it starts cannot authenticate to them.
+* `quiet_serve_shutdown_notice()`: a wrapper around `ray._private.worker.print_to_stdstream`, through which a
+  driver prints the errors the GCS pushes to it, that drops one: "Task ServeController.graceful_shutdown failed.
+  There are infinite retries remaining, so the task will be retried. Error: The actor is dead because it was
+  killed by `ray.kill`", printed (yellow, as from the raylet) at every `serve.shutdown()`, so at every Ctrl-C
+  of `serve run` and every stop of the launcher: Serve's controller ends its own graceful shutdown by killing
+  itself, and the call waiting on it counts as a failed task with retries left. Nothing is retried and nothing
+  failed; every other pushed error, and this one with another cause, is printed. Tried instead: a logging filter
+  (the line is printed, not logged) and `serve.shutdown` alternatives (the CLI calls it, not us).
 * `quick_serve_polls()`: `ray.serve._private.client.CLIENT_POLLING_INTERVAL_S`, how long Serve's client sleeps
   between two looks at the controller while `serve.run` waits for the application to be RUNNING and while
   `serve.delete` waits for it to go: 1 s, so `serve run`, the launcher and every `serve.run` in a pipeline
@@ -69,6 +77,7 @@ QUICK_POLL_S = 0.1  # Serve's client waits between looks at the controller (its 
 # the module (and so the logger name) that announces token authentication at a local start
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+SERVE_SHUTDOWN_NOTICE = "Task ServeController.graceful_shutdown failed."
 
 
 class RayCompatError(RuntimeError):
@@ -104,6 +113,16 @@ def _missing() -> list[str]:
         missing.append("ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER")
     if importlib.util.find_spec(TOKEN_AUTH_LOGGER) is None:
         missing.append(TOKEN_AUTH_LOGGER)
+    from ray._private import worker as ray_worker
+
+    # the errors the GCS pushes are printed through the module's name (so replacing it takes effect)
+    listen = getattr(ray_worker, "listen_error_messages", None)
+    if (
+        not callable(getattr(ray_worker, "print_to_stdstream", None))
+        or listen is None
+        or ("print_to_stdstream" not in listen.__code__.co_names)
+    ):
+        missing.append("ray._private.worker.print_to_stdstream")
     # the client's waits read the module's name when they sleep (so setting it takes effect)
     client = serve_client.ServeControllerClient
     waits = (client._wait_for_application_running, client.delete_apps)
@@ -198,6 +217,34 @@ def quiet_token_auth_notice() -> None:
     target = logging.getLogger(TOKEN_AUTH_LOGGER)
     if _not_the_token_auth_notice not in target.filters:
         target.addFilter(_not_the_token_auth_notice)
+
+
+def is_serve_shutdown_notice(data: dict) -> bool:
+    """Whether a batch of lines the GCS pushed to this driver is only Serve's own-kill notice (see the module
+    docstring)."""
+    lines = data.get("lines") or []
+    return (
+        data.get("pid") == "raylet"
+        and bool(lines)
+        and all(line.startswith(SERVE_SHUTDOWN_NOTICE) and "killed by `ray.kill`" in line for line in lines)
+    )
+
+
+def quiet_serve_shutdown_notice() -> None:
+    """Drop the notice that Serve's controller "failed" when `serve.shutdown()` ends it (see the module
+    docstring) from what this driver prints. Idempotent; every other line passes."""
+    from ray._private import worker as ray_worker
+
+    printer = ray_worker.print_to_stdstream
+    if getattr(printer, "drops_serve_shutdown_notice", False):
+        return
+
+    def print_to_stdstream(data, ignore_prefix):
+        if not is_serve_shutdown_notice(data):
+            printer(data, ignore_prefix)
+
+    print_to_stdstream.drops_serve_shutdown_notice = True
+    ray_worker.print_to_stdstream = print_to_stdstream
 
 
 def quick_serve_polls() -> None:

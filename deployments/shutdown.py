@@ -37,7 +37,7 @@ import time
 import ray
 from ray.serve.exceptions import BackPressureError
 
-from .ray_compat import no_driver_stack_dump, quiet_token_auth_notice
+from .ray_compat import no_driver_stack_dump, quiet_serve_shutdown_notice, quiet_token_auth_notice
 
 logger = logging.getLogger("ray.serve")
 
@@ -225,10 +225,11 @@ def install_signal_drain(request_timeout_s: float) -> None:
 
     signal.signal(signal.SIGINT, on_sigint)
     atexit.register(on_exit)
-    # before `serve run` connects to Ray: no stack dump and E-level lines on a plain SIGTERM, and no notice that
-    # token authentication is on (it stays on)
+    # before `serve run` connects to Ray: no stack dump and E-level lines on a plain SIGTERM, no notice that
+    # token authentication is on (it stays on), none that Serve's controller "failed" when it shuts down
     no_driver_stack_dump()
     quiet_token_auth_notice()
+    quiet_serve_shutdown_notice()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     from ray import serve
 
+    quiet_serve_shutdown_notice()
     ray.init(address=ns.address, namespace="serve", logging_level=logging.WARNING)
     drained = drain(ns.timeout)
     if not ns.no_shutdown:

@@ -88,3 +88,24 @@ def test_serve_client_waits_poll_quickly_and_the_check_names_the_constant(monkey
     assert serve_client.CLIENT_POLLING_INTERVAL_S == ray_compat.QUICK_POLL_S == 0.1
     monkeypatch.delattr(serve_client, "CLIENT_POLLING_INTERVAL_S")
     assert ray_compat._missing() == ["ray.serve._private.client.CLIENT_POLLING_INTERVAL_S"]
+
+
+def test_serve_shutdown_notice_is_dropped_and_other_pushed_errors_printed(monkeypatch, capsys):
+    from ray._private import worker as ray_worker
+
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored afterwards
+    ray_compat.quiet_serve_shutdown_notice()
+    ray_compat.quiet_serve_shutdown_notice()
+    notice = (
+        "Task ServeController.graceful_shutdown failed. There are infinite retries remaining, so the task will be "
+        "retried. Error: The actor is dead because it was killed by `ray.kill`."
+    )
+    other_cause = notice.replace("killed by `ray.kill`", "OOM-killed")
+    for lines in ([notice], [other_cause], ["A worker died or was killed while executing a task."]):
+        ray_worker.print_to_stdstream({"lines": lines, "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    printed = capsys.readouterr().out
+    assert "killed by `ray.kill`" not in printed
+    assert "OOM-killed" in printed and "A worker died" in printed
+    assert ray_worker.print_to_stdstream.drops_serve_shutdown_notice
+    monkeypatch.delattr(ray_worker, "print_to_stdstream")
+    assert "ray._private.worker.print_to_stdstream" in ray_compat._missing()
