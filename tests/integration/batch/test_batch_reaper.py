@@ -18,29 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.images_util import encode, random_image
+from tests.procs_util import session_processes
 from tests.serve_fixtures import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def session_processes(sid: int) -> list[str]:
-    """Command lines of the live processes whose session id is `sid`."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            if fields[0] == "Z" or int(fields[3]) != sid:  # a zombie is gone already (waiting to be reaped)
-                continue
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                found.append(fh.read().replace(b"\0", b" ").decode(errors="replace")[:120])
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
@@ -60,7 +43,7 @@ def test_sigkilled_driver_leaves_no_ray_processes(tmp_path):
         # the driver prints this once Ray is up and the job is planned
         wait_for(lambda: b"parts to do" in err.read_bytes() or proc.poll() is not None, timeout_s=300, interval_s=0.2)
         assert proc.poll() is None, err.read_text()[-3000:]
-        assert any("raylet" in c for c in session_processes(proc.pid)), session_processes(proc.pid)
+        assert any("raylet" in c for c in session_processes(proc.pid).values()), session_processes(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         wait_for(lambda: not session_processes(proc.pid), timeout_s=60, interval_s=0.5, what="the job's processes gone")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs_util import session_processes
 from tests.serve_fixtures import wait_for
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -61,22 +62,6 @@ sys.stdin.readline()  # until it is killed
 """
 
 
-def session_pids(sid: int) -> list[int]:
-    """The live (not zombie) processes whose session id is `sid`."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            found.append(int(name))
-    return found
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 @pytest.mark.parametrize(
     "raylet, late_workers, running",
@@ -101,12 +86,12 @@ def test_processes_started_after_the_last_poll_are_ended_with_the_killed_driver(
     )  # fmt: skip
     try:
         assert driver.stdout.readline() == "started\n"
-        assert len(session_pids(driver.pid)) == running  # the watcher runs in a session of its own
+        assert len(session_processes(driver.pid)) == running  # the watcher runs in a session of its own
         driver.kill()
         driver.wait()
-        wait_for(lambda: not session_pids(driver.pid), timeout_s=30, what="the driver's processes gone")
+        wait_for(lambda: not session_processes(driver.pid), timeout_s=30, what="the driver's processes gone")
         started = dict(line.split() for line in pids.read_text().splitlines())
         assert started.keys() == late_workers  # each kind of late worker was there
     finally:
-        for pid in session_pids(driver.pid):  # the test failed: leave nothing behind
+        for pid in session_processes(driver.pid):  # the test failed: leave nothing behind
             os.kill(pid, signal.SIGKILL)
