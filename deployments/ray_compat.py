@@ -38,8 +38,9 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
 * `quiet_serve_shutdown_notice()`: a wrapper around `ray._private.worker.print_to_stdstream`, through which a
   driver prints the errors the GCS pushes to it, that drops one: "Task ServeController.graceful_shutdown failed.
   There are infinite retries remaining, so the task will be retried. Error: The actor is dead because it was
-  killed by `ray.kill`", printed (yellow, as from the raylet) at every `serve.shutdown()`, so at every Ctrl-C
-  of `serve run` and every stop of the launcher: Serve's controller ends its own graceful shutdown by killing
+  killed by `ray.kill`", printed (yellow, as from the raylet) by a `serve.shutdown()` whenever the driver's
+  listener gets it before Ray disconnects: seen at a Ctrl-C of `serve run` and a SIGTERM of the launcher
+  (2026-12-03), not in every test run. Serve's controller ends its own graceful shutdown by killing
   itself, and the call waiting on it counts as a failed task with retries left. Nothing is retried and nothing
   failed; every other pushed error, and this one with another cause, is printed. Tried instead: a logging filter
   (the line is printed, not logged) and `serve.shutdown` alternatives (the CLI calls it, not us).
