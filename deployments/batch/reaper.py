@@ -53,14 +53,18 @@ def is_ray_worker(pid):
     line = cmdline(pid)  # a worker's title once it runs, its command line while it starts
     return line.startswith("ray::") or "ray/_private/workers/default_worker.py" in line
 
-def below(roots):
-    # every process below the live ones of `roots` ({pid: start time, or None for the driver}), by pid
+def processes():
+    # every process now: pid -> (ppid, start time, session id), from one pass over /proc
     procs = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             s = stat(int(name))
             if s is not None:
                 procs[int(name)] = s
+    return procs
+
+def below(roots, procs):
+    # every process below the live ones of `roots` ({pid: start time, or None for the driver}), by pid
     children = {}
     for pid, (ppid, start, sid) in procs.items():
         children.setdefault(ppid, []).append(pid)
@@ -73,30 +77,33 @@ def below(roots):
                 todo.append(pid)
     return found
 
-def orphaned_workers():
+def orphaned_workers(procs):
     # Ray workers of the driver's session started after it whose parent is no raylet (theirs died with the driver)
     found = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) not in noted:
-            s = stat(int(name))
-            if s is not None and s[2] == driver_sid and int(s[1]) > int(driver_start) and is_ray_worker(name):
-                if "raylet" not in cmdline(s[0]):
-                    found[int(name)] = s[1]
+    for pid, (ppid, start, sid) in procs.items():
+        if pid not in noted and sid == driver_sid and int(start) > int(driver_start) and is_ray_worker(pid):
+            if "raylet" not in cmdline(ppid):
+                found[pid] = start
     return found
 
-if stat(driver) is None:
+def late(roots):
+    # started since the last look: below `roots`, or Ray workers orphaned by their raylet
+    procs = processes()
+    return below(roots, procs) | orphaned_workers(procs)
+
+first = stat(driver)
+if first is None:
     sys.exit()  # gone before anything was started
-_, driver_start, driver_sid = stat(driver)
-noted = below({driver: None})
+_, driver_start, driver_sid = first
+noted = below({driver: None}, processes())
 os.write(1, b"1")  # the driver's start_reaper returns: what runs below it now is noted
 os.close(1)
 while True:
     ready, _, _ = select.select([sys.stdin], [], [], poll_s)
     if ready and not os.read(sys.stdin.fileno(), 1):
         break  # the driver's end closed: it is gone
-    noted.update(below({driver: None, **noted}))
-noted.update(below(noted))  # started since the last poll, below a noted process
-noted.update(orphaned_workers())
+    noted.update(below({driver: None, **noted}, processes()))
+noted.update(late(noted))
 
 def alive(pid, start):
     s = stat(pid)
@@ -115,7 +122,7 @@ for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
     deadline = time.monotonic() + wait
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        new = below(left) | orphaned_workers()  # started while they go down
+        new = late(left)  # started while they go down
         signal_all(new, sig)
         noted.update(new)
         left = {pid: start for pid, start in {**left, **new}.items() if alive(pid, start)}
