@@ -205,6 +205,15 @@ class Progress:
         )
 
 
+def actors_for(wanted: int, todo: list[Part], batch_size: int) -> int:
+    """Encoder actors for the parts to do: `wanted` (one per GPU, or `--num-actors` on CPUs), but no more than
+    there are encoder batches. Each actor loads the model and captures its graphs before its first batch, so
+    a small job (or a re-run with little left) does not hold GPUs that no batch would reach; Ray Data would
+    also warn that the pool outnumbers its inputs."""
+    batches = -(-sum(p.num_rows for p in todo) // batch_size)
+    return min(wanted, max(1, batches))
+
+
 class PartsRunner:
     """Embeds the given parts of a job and writes each one as soon as all its rows are back."""
 
@@ -214,6 +223,7 @@ class PartsRunner:
         self._received: dict[int, int] = defaultdict(int)
         self._written: set[int] = set()
         self._crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
+        self.gpus = 0  # GPUs the job may use (the actors may be fewer: `actors_for`), known once Ray is up
 
     def _options(self, todo: list[Part]) -> JobConfig:
         """The job's options with the cluster's GPUs and the rows per encoder batch decided."""
@@ -228,7 +238,7 @@ class PartsRunner:
                 start_reaper()
             quiet_token_auth_notice()  # authentication stays on; Ray's notice of it at every start goes
             ray.init(address=address)
-        gpus = gpus_in_cluster() if cfg.num_gpus is None else cfg.num_gpus
+        self.gpus = gpus = gpus_in_cluster() if cfg.num_gpus is None else cfg.num_gpus
         batch_size = cfg.batch_size
         if batch_size is None:
             values, typ = head_values(self.files[todo[0].file], cfg.image_column)
@@ -236,7 +246,10 @@ class PartsRunner:
             typical = typical_patches_of(values, image_column_kind(typ), pp, str(Path.cwd()))
             plan = plan_for_actors(cfg.model, gpus, cfg.buckets, cfg.dtype, cfg.attention)
             batch_size = rows_per_batch(plan, typical)
-        return cfg.model_copy(update={"num_gpus": gpus, "batch_size": batch_size})
+        actors = {"num_gpus": actors_for(gpus, todo, batch_size)}
+        if cfg.num_actors is not None:
+            actors["num_actors"] = actors_for(cfg.num_actors, todo, batch_size)
+        return cfg.model_copy(update={**actors, "batch_size": batch_size})
 
     def run(self, todo: list[Part]) -> None:
         import ray.data
@@ -252,10 +265,11 @@ class PartsRunner:
         ds = embed_dataset(ds, options)
         by_index = {p.index: p for p in todo}
         gpus, summary = options.num_gpus, self.summary
+        capped = f" (one per encoder batch; {self.gpus} GPUs)" if gpus < self.gpus else ""
         print(
             f"[deployments.batch] {len(todo)} of {summary.total_parts} parts to do "
             f"({sum(p.num_rows for p in todo)} rows), {options.batch_size} rows per encoder batch, "
-            f"{f'{gpus} GPU actor(s)' if gpus else 'CPU'}",
+            f"{f'{gpus} GPU actor(s){capped}' if gpus else 'CPU'}",
             file=sys.stderr,
             flush=True,
         )

@@ -258,7 +258,8 @@ def test_production_config_spreads_replicas_and_buckets_over_nodes(local_cluster
 
 
 def test_batch_job_runs_on_both_gpu_nodes(local_cluster: LocalCluster, service: Deployed, tmp_path):
-    # The service holds one GPU of each worker node, so the job's two one-GPU actors must use both nodes.
+    # The service holds one GPU of each worker node, so the job's two one-GPU actors must use both nodes (two
+    # encoder batches of 12 rows: the job starts no more actors than batches).
     ids = list(range(24))
     images = [encode(random_image("RGB", 40 + 8 * (i % 5), 56, seed=i), "PNG") for i in ids]
     src = tmp_path / "in.parquet"
@@ -268,10 +269,11 @@ def test_batch_job_runs_on_both_gpu_nodes(local_cluster: LocalCluster, service: 
     job = local_cluster.cli(
         "ray", "job", "submit", "--address", local_cluster.dashboard, "--",
         sys.executable, "-m", "deployments.batch", "--input", str(src), "--output", str(out),
-        "--num-gpus", "2", "--buckets", "256,512", "--part-rows", "12", "--no-progress",
+        "--num-gpus", "2", "--buckets", "256,512", "--part-rows", "12", "--batch-size", "12", "--no-progress",
         timeout=300,
     )  # fmt: skip
     assert "batch job complete" in job.stdout, job.stdout[-3000:]
+    assert "12 rows per encoder batch, 2 GPU actor(s)" in job.stdout, job.stdout[-3000:]
 
     result = pq.read_table(out)
     assert sorted(result.column("id").to_pylist()) == ids

@@ -1,5 +1,5 @@
 """The batch job's driver without a Ray cluster: a bad model or input fails before Ray starts (exit 2, one
-line), the summary of a no-op re-run, the progress line that counts images."""
+line), the summary of a no-op re-run, the progress line that counts images, no more GPU actors than batches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from deployments.batch.__main__ import main
-from deployments.batch.job import JobSummary, Progress
+from deployments.batch.files import Part
+from deployments.batch.job import JobSummary, Progress, actors_for
 
 
 def test_a_bad_model_fails_before_ray_starts(tmp_path, capsys):
@@ -45,3 +46,12 @@ def test_progress_counts_images_at_most_every_interval(capsys):
     ]
     Progress(5, enabled=False).update(5, 1.0)
     assert capsys.readouterr().err == ""
+
+
+def test_gpu_actors_are_no_more_than_the_encoder_batches():
+    parts = [Part(0, 0, 0, 12), Part(1, 0, 12, 24)]  # 24 rows
+    assert actors_for(8, parts, 64) == 1  # one batch: one GPU loads the model, not eight
+    assert actors_for(8, parts, 12) == 2
+    assert actors_for(8, parts, 11) == 3  # 11 + 11 + 2
+    assert actors_for(2, parts, 5) == 2  # five batches, two GPUs
+    assert actors_for(0, parts, 64) == 0  # no GPUs: the CPU actors are the pipeline's
