@@ -94,6 +94,9 @@ def test_each_bucket_goes_to_its_replica_and_spills_when_saturated(handle):
     assert served.count(large_owner) >= 4, served
     assert served.count(small_owner) >= 3, served
 
-    # Drained (give the completion callbacks a moment to reach the router's loop): back to the owner.
-    time.sleep(1.0)
+    # Drained: back to the owner once the calls' completions have reached the router's queue counts (a
+    # spilled call can land while they are on their way), and then every time.
+    deadline = time.monotonic() + 20
+    while call(handle, 1000) != large_owner:
+        assert time.monotonic() < deadline, "the router never went back to the owner after the spill"
     assert [call(handle, 1000) for _ in range(5)] == [large_owner] * 5
