@@ -30,7 +30,7 @@ class EmbedOptions(BaseModel):
     typical_patches: int | None = Field(None, ge=1, description="Patches of a typical image; None: sampled.")
     num_gpus: int | None = Field(None, ge=0, description="GPU encoder actors, one GPU each; None: every GPU.")
     num_actors: int | None = Field(None, ge=1, description="CPU encoder actors when there are no GPUs (1).")
-    actor_cpus: float = Field(1.0, ge=0)
+    actor_cpus: float | None = Field(None, ge=0, description="CPUs reserved per encoder actor; None: Ray Data's (1).")
     buckets: Any = Field(None, description="A bucket spec, table or [(budget, max_images)]; None: the device's.")
     dtype: str | None = None
     attention: str | None = None

@@ -107,7 +107,9 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
             },
             compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=2),
             num_gpus=1 if gpus > 0 else 0,
-            num_cpus=o.actor_cpus,
+            # Ray Data reserves 1 CPU per actor, GPU or not, unless told otherwise; naming num_cpus beside
+            # num_gpus would also have it log on every GPU run that the combination is "experimental"
+            **({} if o.actor_cpus is None else {"num_cpus": o.actor_cpus}),
             udf_modifying_row_count=False,
             # Ray Data restarts dead actors by default, but keeps their constructor arguments (its map transformer)
             # in the object store, and Ray logs an E-level line on every run that such a restart may fail. A dead
