@@ -274,6 +274,7 @@ def test_batch_job_runs_on_both_gpu_nodes(local_cluster: LocalCluster, service: 
     )  # fmt: skip
     assert "batch job complete" in job.stdout, job.stdout[-3000:]
     assert "12 rows per encoder batch, 2 GPU actor(s)" in job.stdout, job.stdout[-3000:]
+    assert "minimum number of concurrent actors" not in job.stdout, job.stdout[-3000:]  # no more actors than inputs
     # the GPU actors keep Ray Data's default CPU reservation: no warning that num_cpus with num_gpus is "experimental"
     assert "is experimental" not in job.stdout, job.stdout[-3000:]
 
