@@ -284,3 +284,9 @@ def test_batch_job_runs_on_both_gpu_nodes(local_cluster: LocalCluster, service: 
     assert json.loads((out / "_manifest.json").read_text())["complete"] is True
     actors = [a for a in local_cluster.actors("MapBatches(EncoderActor)") if a["ActorID"] not in before]
     assert sorted(a["Address"]["NodeID"] for a in actors) == sorted(local_cluster.workers)
+    # each held one GPU and Ray Data's default of one CPU (the job names no num_cpus for them)
+    from ray.util.state import get_actor
+
+    for a in actors:
+        required = get_actor(a["ActorID"], address=local_cluster.dashboard).required_resources
+        assert required == {"CPU": 1.0, "GPU": 1.0}, required
