@@ -205,13 +205,12 @@ class Progress:
         )
 
 
-def actors_for(wanted: int, todo: list[Part], batch_size: int) -> int:
-    """Encoder actors for the parts to do: `wanted` (one per GPU, or `--num-actors` on CPUs), but no more than
+def actors_for(wanted: int, rows: int, batch_size: int) -> int:
+    """Encoder actors for `rows` rows to do: `wanted` (one per GPU, or `--num-actors` on CPUs), but no more than
     there are encoder batches. Each actor loads the model and captures its graphs before its first batch, so
     a small job (or a re-run with little left) does not hold GPUs that no batch would reach; Ray Data would
     also warn that the pool outnumbers its inputs."""
-    batches = -(-sum(p.num_rows for p in todo) // batch_size)
-    return min(wanted, max(1, batches))
+    return min(wanted, max(1, -(-rows // batch_size)))
 
 
 class PartsRunner:
@@ -223,10 +222,10 @@ class PartsRunner:
         self._received: dict[int, int] = defaultdict(int)
         self._written: set[int] = set()
         self._crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
-        self.gpus = 0  # GPUs the job may use (the actors may be fewer: `actors_for`), known once Ray is up
 
-    def _options(self, todo: list[Part]) -> JobConfig:
-        """The job's options with the cluster's GPUs and the rows per encoder batch decided."""
+    def _options(self, todo: list[Part], rows: int) -> tuple[JobConfig, int]:
+        """The job's options with its encoder actors and the rows per encoder batch decided, and the GPUs it may
+        use (the GPU actors may be fewer: `actors_for`)."""
         import ray
 
         from ..ray_compat import quiet_token_auth_notice
@@ -238,7 +237,7 @@ class PartsRunner:
                 start_reaper()
             quiet_token_auth_notice()  # authentication stays on; Ray's notice of it at every start goes
             ray.init(address=address)
-        self.gpus = gpus = gpus_in_cluster() if cfg.num_gpus is None else cfg.num_gpus
+        gpus = gpus_in_cluster() if cfg.num_gpus is None else cfg.num_gpus
         batch_size = cfg.batch_size
         if batch_size is None:
             values, typ = head_values(self.files[todo[0].file], cfg.image_column)
@@ -246,15 +245,16 @@ class PartsRunner:
             typical = typical_patches_of(values, image_column_kind(typ), pp, str(Path.cwd()))
             plan = plan_for_actors(cfg.model, gpus, cfg.buckets, cfg.dtype, cfg.attention)
             batch_size = rows_per_batch(plan, typical)
-        actors = {"num_gpus": actors_for(gpus, todo, batch_size)}
+        actors = {"num_gpus": actors_for(gpus, rows, batch_size)}
         if cfg.num_actors is not None:
-            actors["num_actors"] = actors_for(cfg.num_actors, todo, batch_size)
-        return cfg.model_copy(update={**actors, "batch_size": batch_size})
+            actors["num_actors"] = actors_for(cfg.num_actors, rows, batch_size)
+        return cfg.model_copy(update={**actors, "batch_size": batch_size}), gpus
 
     def run(self, todo: list[Part]) -> None:
         import ray.data
 
-        options = self._options(todo)
+        rows = sum(p.num_rows for p in todo)
+        options, gpus_usable = self._options(todo, rows)
         # Ray Data's bars count blocks per operator (`MapBatches(decode_batch): 53/26`); the job counts images.
         # Its logger would then warn, once per process, that the bars are off.
         ray.data.DataContext.get_current().enable_progress_bars = False
@@ -265,16 +265,16 @@ class PartsRunner:
         ds = embed_dataset(ds, options)
         by_index = {p.index: p for p in todo}
         gpus, summary = options.num_gpus, self.summary
-        capped = f" (one per encoder batch; {self.gpus} GPUs)" if gpus < self.gpus else ""
+        capped = f" (one per encoder batch; {gpus_usable} GPUs)" if gpus < gpus_usable else ""
         print(
             f"[deployments.batch] {len(todo)} of {summary.total_parts} parts to do "
-            f"({sum(p.num_rows for p in todo)} rows), {options.batch_size} rows per encoder batch, "
+            f"({rows} rows), {options.batch_size} rows per encoder batch, "
             f"{f'{gpus} GPU actor(s){capped}' if gpus else 'CPU'}",
             file=sys.stderr,
             flush=True,
         )
         start = time.perf_counter()
-        progress = Progress(sum(p.num_rows for p in todo), enabled=options.progress)
+        progress = Progress(rows, enabled=options.progress)
         try:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
                 now = time.perf_counter() - start

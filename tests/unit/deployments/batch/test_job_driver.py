@@ -7,7 +7,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from deployments.batch.__main__ import main
-from deployments.batch.files import Part
 from deployments.batch.job import JobSummary, Progress, actors_for
 
 
@@ -49,9 +48,8 @@ def test_progress_counts_images_at_most_every_interval(capsys):
 
 
 def test_gpu_actors_are_no_more_than_the_encoder_batches():
-    parts = [Part(0, 0, 0, 12), Part(1, 0, 12, 24)]  # 24 rows
-    assert actors_for(8, parts, 64) == 1  # one batch: one GPU loads the model, not eight
-    assert actors_for(8, parts, 12) == 2
-    assert actors_for(8, parts, 11) == 3  # 11 + 11 + 2
-    assert actors_for(2, parts, 5) == 2  # five batches, two GPUs
-    assert actors_for(0, parts, 64) == 0  # no GPUs: the CPU actors are the pipeline's
+    assert actors_for(8, 24, 64) == 1  # one batch: one GPU loads the model, not eight
+    assert actors_for(8, 24, 12) == 2
+    assert actors_for(8, 24, 11) == 3  # 11 + 11 + 2
+    assert actors_for(2, 24, 5) == 2  # five batches, two GPUs
+    assert actors_for(0, 24, 64) == 0  # no GPUs: the CPU actors are the pipeline's
