@@ -3,7 +3,9 @@ dependencies, pydantic among them, can run the kernel-only benchmarks that use t
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -24,9 +26,8 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def per_call_us(fn, calls: int = 20, reps: int = 30) -> float:
-    """µs per call of `fn`: `calls` of it captured in one CUDA graph (after a warm-up call on a side stream,
-    as capture needs), median of `reps` replays."""
+def graph_of(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """`calls` calls of `fn` captured in one CUDA graph, after a warm-up call on a side stream (as capture needs)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -36,4 +37,25 @@ def per_call_us(fn, calls: int = 20, reps: int = 30) -> float:
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    return timed(g.replay, reps) * 1e3 / calls
+    return g
+
+
+def per_call_us(fn, calls: int = 20, reps: int = 30) -> float:
+    """µs per call of `fn`: `calls` of it captured in one CUDA graph, median of `reps` replays."""
+    return timed(graph_of(fn, calls).replay, reps) * 1e3 / calls
+
+
+def trace_kernels(fn, path: str) -> list[dict]:
+    """Kernels of one call of `fn` (after a warm-up call), in start order: the chrome-trace events of torch's
+    profiler, each with its `name`, `ts` and `dur` (µs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    ks = [e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e]
+    return sorted(ks, key=lambda e: e["ts"])

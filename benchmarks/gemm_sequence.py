@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cuda_timing import per_call_us  # noqa: E402
+from cuda_timing import graph_of, per_call_us, trace_kernels  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("encoder_kernels", ROOT / "encoder" / "kernels.py")
 K = importlib.util.module_from_spec(spec)
@@ -125,31 +126,10 @@ def main() -> int:
 
 
 def trace(fn, name: str) -> None:
-    """Each kernel's device time in one replay of `fn`'s graph, by kernel name (µs per layer), from the
-    profiler's chrome trace, and the idle gaps between kernels."""
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g.replay()
-        torch.cuda.synchronize()
-    path = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(path))
-    events = json.loads(path.read_text())["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    """Each kernel's device time in one replay of `fn`'s graph, by kernel name (µs per layer), and the idle gaps
+    between kernels."""
+    traced = trace_kernels(graph_of(fn).replay, str(Path(tempfile.mkdtemp()) / "trace.json"))
+    kernels = [e for e in traced if e["cat"] == "kernel"]  # no memsets or copies
     by_name = defaultdict(list)
     for e in kernels:
         by_name[e["name"]].append(e["dur"])

@@ -10,7 +10,6 @@ Run: `python benchmarks/replay_trace.py [--model qwen2.5-vl-7b] [--images 1] [--
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -18,11 +17,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cuda_timing import trace_kernels  # noqa: E402
 from engine import make_batch, timed, use_backend  # noqa: E402
 from graph_gap import used_shape  # noqa: E402
 
@@ -45,19 +44,6 @@ KINDS = [  # (kind, regex on the kernel name); first match wins
 
 def kind_of(name: str) -> str:
     return next((k for k, rx in KINDS if re.search(rx, name, re.I)), "other")
-
-
-def trace_kernels(fn, path: str) -> list[dict]:
-    """Kernels of one call of `fn`, in start order (chrome trace of the profiler)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(path)
-    events = json.loads(Path(path).read_text())["traceEvents"]
-    ks = [e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e]
-    return sorted(ks, key=lambda e: e["ts"])
 
 
 def report(ks: list[dict], label: str) -> None:
