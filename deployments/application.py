@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
-from encoder.errors import validation_reason
+from encoder.errors import RandomWeightsWarning, validation_reason
 
 from .config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from .ingress import VisionIngress
@@ -83,4 +83,6 @@ def build_app(args: dict | AppArgs | None = None):
         a.model, source.kind, ", RANDOM weights" if source.random_weights else "", a.num_replicas, gpus,
         a.num_cpus, a.ingress_replicas, a.request_router_class or "default",
     )  # fmt: skip
+    if source.random_weights:  # said here, once, as one line; the replicas keep quiet about it (EncoderReplica)
+        logger.warning(RandomWeightsWarning.message(a.model))
     return ingress.bind(encoder.bind(plain), plain)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -74,6 +75,10 @@ class EncoderReplica:
             sys.setswitchinterval(a.gil_switch_interval_s)
         self.device_name = resolve_device(a, resolve_num_gpus(a))
         start = time.perf_counter()
+        # build_app warned once, in one line, that a preset's weights are random, and the ready line below marks
+        # them; the warning again from every replica, in warnings' file:line form, is noise. This process is
+        # the replica's own, so the filter stays (no catch_warnings: it is not thread-safe)
+        warnings.filterwarnings("ignore", category=encoder.RandomWeightsWarning)
         vision = encoder.load(a.model, device=self.device_name, dtype=a.dtype, attention=a.attention, seed=a.seed)
         self.pp = vision.preprocess_config
         plan = replica_plan(a, vision, self.device_name)

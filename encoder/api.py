@@ -320,12 +320,7 @@ def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
 
 def warn_random_weights(name: str) -> None:
     """Once per preset and process (the warnings registry keys on the text): its embeddings mean nothing."""
-    warnings.warn(
-        f"model {name!r} is a preset with RANDOM weights: its embeddings carry no meaning. For real weights "
-        "pass a Hugging Face Hub id (e.g. model=Qwen/Qwen2.5-VL-7B-Instruct) or a local checkpoint directory",
-        RandomWeightsWarning,
-        stacklevel=3,
-    )
+    warnings.warn(RandomWeightsWarning.message(name), RandomWeightsWarning, stacklevel=3)
 
 
 def load(

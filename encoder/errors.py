@@ -59,6 +59,14 @@ class InvalidArgumentError(EncoderError, ValueError):
 class RandomWeightsWarning(UserWarning):
     """A preset was loaded: its weights are seeded random numbers, not a trained model's."""
 
+    @staticmethod
+    def message(name: str) -> str:
+        """The warning's text: what was loaded and how to load real weights instead."""
+        return (
+            f"model {name!r} is a preset with RANDOM weights: its embeddings carry no meaning. For real weights "
+            "pass a Hugging Face Hub id (e.g. model=Qwen/Qwen2.5-VL-7B-Instruct) or a local checkpoint directory"
+        )
+
 
 def reason(exc: BaseException) -> str:
     """A library's exception (Pillow, IO, safetensors, pydantic) as a phrase for our messages: its

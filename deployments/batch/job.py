@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from encoder.errors import InvalidArgumentError
+from encoder.errors import InvalidArgumentError, RandomWeightsWarning
 
 from ..preflight import ray_address
 from .columns import ERROR
@@ -262,7 +263,11 @@ class PartsRunner:
         units = read_units(self.files, todo)
         ds = ray.data.from_items([{"unit": json.dumps(u)} for u in units], override_num_blocks=len(units))
         ds = ds.map_batches(read_batch, batch_format="pyarrow", batch_size=None, udf_modifying_row_count=True)
-        ds = embed_dataset(ds, options)
+        with warnings.catch_warnings(record=True) as caught:  # the CLI's main thread: one plain line each
+            warnings.simplefilter("always", RandomWeightsWarning)
+            ds = embed_dataset(ds, options)
+        for w in caught:
+            print(f"[deployments.batch] warning: {w.message}", file=sys.stderr, flush=True)
         by_index = {p.index: p for p in todo}
         gpus, summary = options.num_gpus, self.summary
         capped = f" (one per encoder batch; {gpus_usable} GPUs)" if gpus < gpus_usable else ""

@@ -12,10 +12,17 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from encoder.errors import InvalidArgumentError
+from encoder.errors import InvalidArgumentError, RandomWeightsWarning
 
 from .decode import decode_batch, image_column_kind, typical_patches_of
-from .model_facts import gpus_in_cluster, plan_for_actors, preprocess_config_for, resolve_pooling, rows_per_batch
+from .model_facts import (
+    gpus_in_cluster,
+    plan_for_actors,
+    preprocess_config_for,
+    resolve_pooling,
+    resolved,
+    rows_per_batch,
+)
 from .options import EmbedOptions
 
 
@@ -58,6 +65,8 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     o, model, image_column = options, options.model, options.image_column
     pooling = resolve_pooling(o.pooling, model)
     pp = preprocess_config_for(model)  # also validates the model name / directory up front
+    if resolved(model).random_weights:  # here, once, at the caller's line; the actors keep quiet about it
+        warnings.warn(RandomWeightsWarning.message(model), RandomWeightsWarning, stacklevel=2)
     schema = ds.schema(fetch_if_missing=False)
     if schema is not None and image_column not in schema.names:
         raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")

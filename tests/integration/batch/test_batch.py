@@ -30,7 +30,7 @@ from deployments.batch.files import InputFile, Part, plan_parts, read_units
 from deployments.batch.job import CRASH_ENV
 from deployments.batch.manifest import MANIFEST
 from deployments.batch.model_facts import preprocess_config_for
-from encoder.errors import InvalidArgumentError
+from encoder.errors import InvalidArgumentError, RandomWeightsWarning
 from workspace.buckets import BucketKey, BucketTable
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -382,6 +382,9 @@ def test_cli_killed_then_resumed_gives_every_id_once(ray_cluster, tmp_path):
     assert not re.search(r"^\[[^\]]* E \d+ \d+\]", proc.stderr, re.M), proc.stderr[-3000:]
     assert re.search(r"^\[deployments\.batch\] \d+/\d+ images \(\d+%\)", proc.stderr, re.M), proc.stderr[-3000:]
     assert "Progress bars disabled" not in proc.stderr
+    # a preset's random weights: one plain line from the driver, and no actor repeating it in warnings' file:line form
+    assert proc.stderr.count(f"[deployments.batch] warning: {RandomWeightsWarning.message('tiny')}") == 1, proc.stderr
+    assert "RandomWeightsWarning" not in proc.stderr and "(RANDOM weights) on cpu" in proc.stderr, proc.stderr
     manifest = json.loads((out / MANIFEST).read_text())
     assert len(manifest["parts"]) == 1 and not manifest.get("complete")
     assert len(list(out.glob("part-*.parquet"))) == 2
@@ -418,7 +421,8 @@ def test_example_runs(ray_cluster):
 
     context = ray.data.DataContext.get_current()
     assert context.use_datasource_v2 is True  # Ray 2.60's default, which the example switches off for its read
-    table = batch_job.main(num_images=24)
+    with pytest.warns(RandomWeightsWarning, match="'tiny' is a preset with RANDOM weights"):  # from embed_dataset
+        table = batch_job.main(num_images=24)
     assert context.use_datasource_v2 is True  # and gives back: the caller's context is not left changed
     assert table.num_rows == 24 and table.schema.field("embedding").type == pa.list_(pa.float32(), 128)
     assert table.column("error").null_count == 24

@@ -33,6 +33,7 @@ import pytest
 from PIL import Image
 
 from deployments.ray_compat import SERVE_SHUTDOWN_NOTICE, TOKEN_AUTH_NOTICE
+from encoder.errors import RandomWeightsWarning
 from tests.serve_fixtures import free_port, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
@@ -264,6 +265,10 @@ def test_a_signal_answers_everything_admitted_and_exits(launch, launches):
     assert "SIGTERM received" not in output, output[-3000:]
     assert TOKEN_AUTH_NOTICE not in output, output[-3000:]  # authentication is on; the notice is dropped
     assert SERVE_SHUTDOWN_NOTICE not in output, output[-3000:]  # Serve's controller ending itself is no failure
+    # a preset's random weights: said once by the driver, in one line; the replica's ready line marks them, and it
+    # no longer repeats the warning in warnings' file:line form
+    assert output.count(RandomWeightsWarning.message("tiny")) == 1, output[-3000:]
+    assert "RandomWeightsWarning" not in output and "encoder ready: tiny, RANDOM weights" in output, output[-3000:]
     if launcher:
         assert proc.returncode == 0, output[-3000:]
         assert f"ready at http://127.0.0.1:{port}/v1" in output, output[-3000:]
