@@ -263,7 +263,7 @@ class PartsRunner:
         units = read_units(self.files, todo)
         ds = ray.data.from_items([{"unit": json.dumps(u)} for u in units], override_num_blocks=len(units))
         ds = ds.map_batches(read_batch, batch_format="pyarrow", batch_size=None, udf_modifying_row_count=True)
-        with warnings.catch_warnings(record=True) as caught:  # the CLI's main thread: one plain line each
+        with warnings.catch_warnings(record=True) as caught:  # the job's driver says each in one plain line
             warnings.simplefilter("always", RandomWeightsWarning)
             ds = embed_dataset(ds, options)
         for w in caught:
