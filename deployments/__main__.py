@@ -7,7 +7,8 @@ bad model or argument is one `error:` line, one line says where the service answ
 SIGINT / SIGTERM shut it down gracefully and without a traceback: the ingress replicas drain first
 (`deployments.shutdown`: new requests get 503 `shutting_down`, admitted ones are answered), then Serve and
 Ray stop; a second signal stops at once. Exit status: 0 after a requested stop, 2 for bad arguments, a bad
-model or a taken port.
+model or a taken port. Serve's controller and HTTP proxies log at WARNING (`--serve-log-level INFO` brings
+back their lines for each deployment step), so the start-up reads as the app's own summary lines.
 
 Without `--address` (or RAY_ADDRESS) it starts its own local Ray instance, never a cluster someone else
 started on this machine; with one it joins that cluster (set `RAY_AUTH_MODE=token` to authenticate with the
@@ -46,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a Ray instance of our own)"
     )
     p.add_argument("--name", default="default", help="application name (serve.get_app_handle(name))")
+    p.add_argument(
+        "--serve-log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level of Serve's controller and HTTP proxies (default WARNING; INFO reports each deployment step)",
+    )
     return p.parse_args(argv)
 
 
@@ -90,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, on_signal)
     deployed = False
     try:
-        serve.start(http_options={"host": ns.host, "port": ns.port})
+        # Serve's system actors log a dozen INFO lines per start and stop (endpoints, replicas added and stopped, a
+        # router object's repr) around the app's own summary; the deployments keep their own logging_config
+        serve.start(http_options={"host": ns.host, "port": ns.port}, logging_config={"log_level": ns.serve_log_level})
         if not stop.is_set():
             serve.run(app, name=ns.name, route_prefix="/", blocking=False)
             deployed = True

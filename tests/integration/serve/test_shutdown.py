@@ -272,4 +272,6 @@ def test_a_signal_answers_everything_admitted_and_exits(launch, launches):
     if launcher:
         assert proc.returncode == 0, output[-3000:]
         assert f"ready at http://127.0.0.1:{port}/v1" in output, output[-3000:]
+        # Serve's controller and proxies at WARNING: none of their INFO lines for each deployment step
+        assert "Adding 1 replica to Deployment" not in output and "Got updated endpoints" not in output, output[-3000:]
     print(f"down {down_after:.1f}s after {how}; {len(before)} requests before it, {len(after)} after")
