@@ -14,7 +14,6 @@ pooling ("model", or "mean" for Qwen), which the batch jobs use.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -318,11 +317,6 @@ def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
     return build_vit_tower(config, backend) if is_fixed_resolution(config) else QwenVisionTower(config, backend)
 
 
-def warn_random_weights(name: str) -> None:
-    """Once per preset and process (the warnings registry keys on the text): its embeddings mean nothing."""
-    warnings.warn(RandomWeightsWarning.message(name), RandomWeightsWarning, stacklevel=3)
-
-
 def load(
     model: str | Path | ResolvedModel = "tiny",
     *,
@@ -356,5 +350,5 @@ def load(
     pp = preprocess_config_for(config, path)
     tower = tower.to(device=device, dtype=dtype).eval()
     if source.random_weights:
-        warn_random_weights(source.name)
+        RandomWeightsWarning.warn(source.name, stacklevel=2)  # at the line that called load
     return VisionEncoder(config, tower, pp, name=source.name, source=source)

@@ -6,6 +6,7 @@ line each and never hold Python object reprs: a library's exception is worded wi
 """
 
 import re
+import warnings
 
 # `<_io.BytesIO object at 0x7f...>`, `<PIL.PngImagePlugin.PngImageFile image mode=RGB size=1x1 at 0x...>`
 _OBJECT_REPR = re.compile(r"\s*<[^<>]*\bat 0x[0-9a-fA-F]+>")
@@ -66,6 +67,12 @@ class RandomWeightsWarning(UserWarning):
             f"model {name!r} is a preset with RANDOM weights: its embeddings carry no meaning. For real weights "
             "pass a Hugging Face Hub id (e.g. model=Qwen/Qwen2.5-VL-7B-Instruct) or a local checkpoint directory"
         )
+
+    @classmethod
+    def warn(cls, name: str, stacklevel: int = 1) -> None:
+        """Issue it, attributed `stacklevel` frames above the caller (1: the caller's line). Once per preset and
+        location, as warnings go by default (the registry keys on the text)."""
+        warnings.warn(cls.message(name), cls, stacklevel=stacklevel + 1)
 
 
 def reason(exc: BaseException) -> str:

@@ -66,7 +66,7 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     pooling = resolve_pooling(o.pooling, model)
     pp = preprocess_config_for(model)  # also validates the model name / directory up front
     if resolved(model).random_weights:  # here, once, at the caller's line; the actors keep quiet about it
-        warnings.warn(RandomWeightsWarning.message(model), RandomWeightsWarning, stacklevel=2)
+        RandomWeightsWarning.warn(model, stacklevel=2)
     schema = ds.schema(fetch_if_missing=False)
     if schema is not None and image_column not in schema.names:
         raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
