@@ -76,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from .ray_compat import quiet_serve_shutdown_notice, quiet_token_auth_notice
+    from .ray_compat import quiet_serve_noise, quiet_serve_shutdown_notice, quiet_token_auth_notice
 
     stop = threading.Event()
     quiet_token_auth_notice()  # token authentication stays on; Ray's notice of it at every start goes
     quiet_serve_shutdown_notice()  # and its "controller failed" line at every stop
+    quiet_serve_noise()  # and serve.run's "new http_options will not be applied" after our serve.start applied them
     try:
         ray.init(address=address, namespace="serve")
     except KeyboardInterrupt:

@@ -33,7 +33,7 @@ from .limits import Admission
 from .llm_outputs import handle_item
 from .metrics import IngressTelemetry, rss_bytes
 from .openai_api import EmbeddingRequest, api
-from .ray_compat import check_ray
+from .ray_compat import check_ray, quiet_serve_noise
 from .security import ApiKeyAuth, UrlFetcher
 from .shutdown import DrainWatch
 
@@ -53,6 +53,7 @@ class VisionIngress:
 
     def __init__(self, encoder: DeploymentHandle, args: dict):
         check_ray()
+        quiet_serve_noise()  # before the encoder handle's first use logs its router's repr
         self.args = a = AppArgs.model_validate(args)
         harden_pillow(a.max_image_pixels)
         self._pool = ThreadPoolExecutor(a.decode_threads, thread_name_prefix="decode")

@@ -51,6 +51,15 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   a deletion 0.2-0.3 s sooner (the 2-core box, 2026-12-03). A look is one small controller call. Considered
   instead: `serve.run(..., _blocking=False)` (also private) and our own poll of `serve.status()`, which would
   drop Serve's own checks of the proxies and of a failed deployment.
+
+One more function here uses no private API but depends on Ray's wording, so it lives beside them:
+* `quiet_serve_noise()`: a filter on Serve's public `ray.serve` logger that drops two INFO lines of Ray 2.60 that
+  tell a user of this service nothing: `Started <ray.serve._private.router.SharedRouterLongPollClient object at
+  0x...>.`, logged by a process when its first handle starts a router (every ingress replica, at start-up), and
+  serve.run's `Connecting to existing Serve app in namespace "serve". New http_options/controller_options will
+  not be applied.`, logged by the launcher after its own `serve.start`, which did apply them. Every other record
+  of the logger, this service's own lines among them, passes. If Ray rewords either line, it shows again (the
+  shutdown tests look for both).
 """
 
 from __future__ import annotations
@@ -78,6 +87,11 @@ QUICK_POLL_S = 0.1  # Serve's client waits between looks at the controller (its 
 # the module (and so the logger name) that announces token authentication at a local start
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+# the beginnings of the two Serve INFO lines `quiet_serve_noise` drops (Ray 2.60's wording)
+SERVE_NOISE = (
+    "Started <ray.serve._private.router.SharedRouterLongPollClient object at ",
+    'Connecting to existing Serve app in namespace "serve". New http_options/controller_options will not be applied',
+)
 SERVE_SHUTDOWN_NOTICE = "Task ServeController.graceful_shutdown failed."
 
 
@@ -218,6 +232,18 @@ def quiet_token_auth_notice() -> None:
     target = logging.getLogger(TOKEN_AUTH_LOGGER)
     if _not_the_token_auth_notice not in target.filters:
         target.addFilter(_not_the_token_auth_notice)
+
+
+def _not_serve_noise(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(SERVE_NOISE)
+
+
+def quiet_serve_noise() -> None:
+    """Drop Serve's router-repr and "will not be applied" INFO lines from this process's `ray.serve` logger (see
+    the module docstring). Idempotent; every other record passes."""
+    target = logging.getLogger("ray.serve")
+    if _not_serve_noise not in target.filters:
+        target.addFilter(_not_serve_noise)
 
 
 def is_serve_shutdown_notice(data: dict) -> bool:

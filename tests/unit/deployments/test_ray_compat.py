@@ -109,3 +109,50 @@ def test_serve_shutdown_notice_is_dropped_and_other_pushed_errors_printed(monkey
     assert ray_worker.print_to_stdstream.drops_serve_shutdown_notice
     monkeypatch.delattr(ray_worker, "print_to_stdstream")
     assert "ray._private.worker.print_to_stdstream" in ray_compat._missing()
+
+
+def test_serve_noise_is_dropped_and_every_other_serve_line_kept():
+    import inspect
+    import logging
+
+    from ray.serve._private import api as serve_api
+    from ray.serve._private.constants import SERVE_NAMESPACE
+    from ray.serve._private.router import SharedRouterLongPollClient
+
+    # Ray's wording where it logs the two lines (a reworded line would pass the filter and show again)
+    assert 'logger.info(f"Started {shared}.")' in inspect.getsource(SharedRouterLongPollClient.get_or_create)
+    source = inspect.getsource(serve_api)
+    assert "Connecting to existing Serve app in namespace" in source
+    assert '" New http_options/controller_options will not be applied."' in source and SERVE_NAMESPACE == "serve"
+    shared = object.__new__(SharedRouterLongPollClient)  # its repr as Ray logs it: no __repr__ of its own
+    started = f"Started {shared}."
+    connecting = (
+        f'Connecting to existing Serve app in namespace "{SERVE_NAMESPACE}". '
+        "New http_options/controller_options will not be applied."
+    )
+    kept = ['Started Serve in namespace "serve".', "vision ingress: API key off, URL fetching off"]
+    target = logging.getLogger("ray.serve")
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler, level = Collect(), target.level
+    target.addHandler(handler)
+    target.setLevel(logging.INFO)
+    try:
+        for line in (started, connecting, *kept):
+            target.info(line)
+        assert seen == [started, connecting, *kept]  # the lines as Ray logs them, without the filter
+        seen.clear()
+        ray_compat.quiet_serve_noise()
+        ray_compat.quiet_serve_noise()
+        assert target.filters.count(ray_compat._not_serve_noise) == 1
+        for line in (started, connecting, *kept):
+            target.info(line)
+        assert seen == kept
+    finally:
+        target.removeHandler(handler)
+        target.removeFilter(ray_compat._not_serve_noise)
+        target.setLevel(level)
