@@ -1,18 +1,20 @@
 """Does Inductor's max-autotune find faster one-image GEMMs than cuBLAS? (issue 15: Qwen2.5-VL-7B, 256 rows)
 
 The one lever for the 1×224² latency that no session had measured is torch.compile: Inductor autotunes its
-Triton GEMM templates (including the persistent TMA template for Hopper, and decompose-K for small M) against
-cuBLAS per shape, and can fuse a pointwise epilogue or prologue into a Triton template. This compiles, with
-`mode="max-autotune-no-cudagraphs"`, each of a block's four bias GEMMs at 256 rows and the MLP
+Triton GEMM templates (including the persistent TMA template for Hopper) against cuBLAS per shape, and can fuse
+a pointwise epilogue or prologue into a Triton template. This compiles, with `mode="max-autotune-no-cudagraphs"`,
+each of a block's four bias GEMMs at 256 rows and the MLP
 (gate|up GEMM, SiLU·up, down GEMM), and times each against today's eager path in CUDA graphs (20 calls per
 graph, µs per call, median of interleaved rounds); outputs are checked against today's path.
 
-`python3 benchmarks/inductor_gemm.py [--rows 256] [--rounds 3]` (torch and triton only)
+`python3 benchmarks/inductor_gemm.py [--rows 256] [--rounds 3]` (torch and triton only: encoder/kernels.py is loaded
+by path, for today's SiLU·up kernel)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 from pathlib import Path
@@ -22,6 +24,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import per_call_us, trace_kernels  # noqa: E402
+
+spec = importlib.util.spec_from_file_location(
+    "encoder_kernels", Path(__file__).resolve().parents[1] / "encoder/kernels.py"
+)
+K = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(K)
 
 D, F_MLP = 1280, 3456  # Qwen2.5-VL-7B width and its MLP width as padded at load time
 SHAPES = {"qkv": (D, 3 * D), "proj": (D, D), "gate_up": (D, 2 * F_MLP), "down": (F_MLP, D)}
@@ -49,10 +57,8 @@ def main() -> int:
         g, u = F.linear(x, w["gate_up"], b["gate_up"]).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, w["down"], b["down"])
 
-    def eager_mlp():
-        g, u = F.linear(xs["gate_up"], w["gate_up"], b["gate_up"]).chunk(2, dim=-1)
-        h = (F.silu(g.float()) * u.float()).to(bf16)  # what silu_mul computes, as torch ops
-        return F.linear(h, w["down"], b["down"])
+    def eager_mlp():  # today's path: cuBLAS, the Triton SiLU·up kernel, cuBLAS
+        return F.linear(K.silu_mul(F.linear(xs["gate_up"], w["gate_up"], b["gate_up"])), w["down"], b["down"])
 
     mode = "max-autotune-no-cudagraphs"
     cases = {k: (eager_linear(k), torch.compile(F.linear, mode=mode, dynamic=False)) for k in SHAPES}

@@ -57,6 +57,7 @@ class Chain:
         self.cu_win = torch.arange(0, rows + 1, 64, **i32)
         # per part size: one segment over the part, so the rotary pass zeroes no row (made here: no copies in capture)
         self.cu_part = {rows // p: torch.tensor([0, rows // p], **i32) for p in (1, 2, 4)}
+        self.side_streams = [torch.cuda.Stream() for _ in range(3)]  # split4 uses three besides the current one
         self.keep: list[torch.Tensor] = []  # every intermediate stays alive during capture (no cross-stream reuse)
 
     def pre(self, blk, x, delta, sl, qkv, out):
@@ -82,9 +83,7 @@ class Chain:
         rows, step = self.rows, self.rows // parts
         slices = [slice(i * step, (i + 1) * step) for i in range(parts)]
         main = torch.cuda.current_stream()
-        streams = [main] + [getattr(self, f"s{i}", None) or torch.cuda.Stream() for i in range(1, parts)]
-        for i, s in enumerate(streams[1:], 1):
-            setattr(self, f"s{i}", s)
+        streams = [main, *self.side_streams[: parts - 1]]
         xs = [self.x0[sl] for sl in slices]
         deltas = [self.delta0[sl] for sl in slices]
         bufs = [

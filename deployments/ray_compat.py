@@ -222,6 +222,13 @@ def no_driver_stack_dump() -> None:
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
 
 
+def _filter_once(logger_name: str, keep) -> None:
+    """Add the filter `keep` to a logger unless it is there already (the quiet_* calls are idempotent)."""
+    target = logging.getLogger(logger_name)
+    if keep not in target.filters:
+        target.addFilter(keep)
+
+
 def _not_the_token_auth_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith(TOKEN_AUTH_NOTICE)
 
@@ -229,9 +236,7 @@ def _not_the_token_auth_notice(record: logging.LogRecord) -> bool:
 def quiet_token_auth_notice() -> None:
     """Drop Ray's "token authentication is enabled" notice from this process's log (see the module docstring):
     call before `ray.init`. Idempotent; every other record of that logger passes."""
-    target = logging.getLogger(TOKEN_AUTH_LOGGER)
-    if _not_the_token_auth_notice not in target.filters:
-        target.addFilter(_not_the_token_auth_notice)
+    _filter_once(TOKEN_AUTH_LOGGER, _not_the_token_auth_notice)
 
 
 def _not_serve_noise(record: logging.LogRecord) -> bool:
@@ -241,9 +246,7 @@ def _not_serve_noise(record: logging.LogRecord) -> bool:
 def quiet_serve_noise() -> None:
     """Drop Serve's router-repr and "will not be applied" INFO lines from this process's `ray.serve` logger (see
     the module docstring). Idempotent; every other record passes."""
-    target = logging.getLogger("ray.serve")
-    if _not_serve_noise not in target.filters:
-        target.addFilter(_not_serve_noise)
+    _filter_once("ray.serve", _not_serve_noise)
 
 
 def is_serve_shutdown_notice(data: dict) -> bool:
