@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these nine have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these ten have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -44,6 +44,12 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   itself, and the call waiting on it counts as a failed task with retries left. Nothing is retried and nothing
   failed; every other pushed error, and this one with another cause, is printed. Tried instead: a logging filter
   (the line is printed, not logged) and `serve.shutdown` alternatives (the CLI calls it, not us).
+* `quiet_serve_system_info()`: through the same function, what `serve run deployments:...` prints of the lines
+  Serve's controller and HTTP proxy actors log drops their DEBUG and INFO lines (a dozen per start and stop:
+  endpoints, each replica added and stopped, the proxy's `Started <...SharedRouterLongPollClient object at
+  0x...>`); their WARNING and ERROR lines are printed, and Ray's log files keep everything. The launcher sets
+  those actors' level instead (`serve.start(logging_config=...)`), which `serve run` does not let an import path
+  do. Tried instead: a level in the deployments' own `logging_config` (it covers the replicas only).
 * `quick_serve_polls()`: `ray.serve._private.client.CLIENT_POLLING_INTERVAL_S`, how long Serve's client sleeps
   between two looks at the controller while `serve.run` waits for the application to be RUNNING and while
   `serve.delete` waits for it to go: 1 s, so `serve run`, the launcher and every `serve.run` in a pipeline
@@ -93,6 +99,10 @@ SERVE_NOISE = (
     'Connecting to existing Serve app in namespace "serve". New http_options/controller_options will not be applied',
 )
 SERVE_SHUTDOWN_NOTICE = "Task ServeController.graceful_shutdown failed."
+# Serve's system actors as their log lines name them (`actor_name`), and the levels `quiet_serve_system_info`
+# drops from their lines (Serve's text log format: the level first)
+SERVE_SYSTEM_ACTORS = frozenset({"ServeController", "ProxyActor"})
+QUIET_LEVELS = ("DEBUG ", "INFO ")
 
 
 class RayCompatError(RuntimeError):
@@ -131,11 +141,10 @@ def _missing() -> list[str]:
     from ray._private import worker as ray_worker
 
     # the errors the GCS pushes are printed through the module's name (so replacing it takes effect)
-    listen = getattr(ray_worker, "listen_error_messages", None)
-    if (
-        not callable(getattr(ray_worker, "print_to_stdstream", None))
-        or listen is None
-        or ("print_to_stdstream" not in listen.__code__.co_names)
+    # and so are the worker log lines, through the handler `connect` registers (so a wrapper set before it counts)
+    listen, connect = getattr(ray_worker, "listen_error_messages", None), getattr(ray_worker, "connect", None)
+    if not callable(getattr(ray_worker, "print_to_stdstream", None)) or not all(
+        f is not None and "print_to_stdstream" in inspect.unwrap(f).__code__.co_names for f in (listen, connect)
     ):
         missing.append("ray._private.worker.print_to_stdstream")
     # the client's waits read the module's name when they sleep (so setting it takes effect)
@@ -260,21 +269,49 @@ def is_serve_shutdown_notice(data: dict) -> bool:
     )
 
 
-def quiet_serve_shutdown_notice() -> None:
-    """Drop the notice that Serve's controller "failed" when `serve.shutdown()` ends it (see the module
-    docstring) from what this driver prints. Idempotent; every other line passes."""
+def _print_only(marker: str, keep) -> None:
+    """Wrap what this driver prints of the lines other processes send it (`print_to_stdstream`) so that it prints
+    `keep(batch)` (the batch, or a copy with fewer lines), or nothing when that is None. Once per `marker`: the
+    quiet_* calls are idempotent, and each wrapper calls the one installed before it. Call before `ray.init`,
+    which registers the worker log handler."""
     from ray._private import worker as ray_worker
 
     printer = ray_worker.print_to_stdstream
-    if getattr(printer, "drops_serve_shutdown_notice", False):
+    markers = getattr(printer, "quiet_markers", ())
+    if marker in markers:
         return
 
     def print_to_stdstream(data, ignore_prefix):
-        if not is_serve_shutdown_notice(data):
-            printer(data, ignore_prefix)
+        kept = keep(data)
+        if kept is not None:
+            printer(kept, ignore_prefix)
 
-    print_to_stdstream.drops_serve_shutdown_notice = True
+    print_to_stdstream.quiet_markers = (*markers, marker)
     ray_worker.print_to_stdstream = print_to_stdstream
+
+
+def quiet_serve_shutdown_notice() -> None:
+    """Drop the notice that Serve's controller "failed" when `serve.shutdown()` ends it (see the module
+    docstring) from what this driver prints. Idempotent; every other line passes."""
+    _print_only("serve_shutdown_notice", lambda data: None if is_serve_shutdown_notice(data) else data)
+
+
+def without_serve_system_info(data: dict) -> dict | None:
+    """A batch of log lines sent to this driver without the DEBUG and INFO lines of Serve's controller and proxy
+    actors (None when nothing is left); any other actor's batch unchanged."""
+    if data.get("actor_name") not in SERVE_SYSTEM_ACTORS:
+        return data
+    lines = data.get("lines") or []
+    kept = [line for line in lines if not line.startswith(QUIET_LEVELS)]
+    if not kept:
+        return None
+    return data if len(kept) == len(lines) else {**data, "lines": kept}
+
+
+def quiet_serve_system_info() -> None:
+    """Print Serve's controller and proxy lines at WARNING and above only (see the module docstring): for `serve
+    run`'s driver, before it connects. Idempotent; every other process's lines pass."""
+    _print_only("serve_system_info", without_serve_system_info)
 
 
 def quick_serve_polls() -> None:

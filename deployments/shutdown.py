@@ -37,7 +37,13 @@ import time
 import ray
 from ray.serve.exceptions import BackPressureError
 
-from .ray_compat import no_driver_stack_dump, quiet_serve_noise, quiet_serve_shutdown_notice, quiet_token_auth_notice
+from .ray_compat import (
+    no_driver_stack_dump,
+    quiet_serve_noise,
+    quiet_serve_shutdown_notice,
+    quiet_serve_system_info,
+    quiet_token_auth_notice,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -227,11 +233,13 @@ def install_signal_drain(request_timeout_s: float) -> None:
     atexit.register(on_exit)
     # before `serve run` connects to Ray: no stack dump and E-level lines on a plain SIGTERM, no notice that
     # token authentication is on (it stays on), none that Serve's controller "failed" when it shuts down, and
-    # none of Serve's two uninformative INFO lines (`quiet_serve_noise`)
+    # none of Serve's two uninformative INFO lines (`quiet_serve_noise`), and Serve's controller and proxy lines at
+    # WARNING and above only, as the launcher has them (`quiet_serve_system_info`)
     no_driver_stack_dump()
     quiet_token_auth_notice()
     quiet_serve_shutdown_notice()
     quiet_serve_noise()
+    quiet_serve_system_info()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,9 +106,58 @@ def test_serve_shutdown_notice_is_dropped_and_other_pushed_errors_printed(monkey
     printed = capsys.readouterr().out
     assert "killed by `ray.kill`" not in printed
     assert "OOM-killed" in printed and "A worker died" in printed
-    assert ray_worker.print_to_stdstream.drops_serve_shutdown_notice
+    assert ray_worker.print_to_stdstream.quiet_markers == ("serve_shutdown_notice",)  # installed once
     monkeypatch.delattr(ray_worker, "print_to_stdstream")
     assert "ray._private.worker.print_to_stdstream" in ray_compat._missing()
+
+
+def test_serve_system_actors_print_warnings_only_and_every_other_line_passes(monkeypatch, capsys):
+    import inspect
+
+    from ray._private import worker as ray_worker
+    from ray.serve._private.controller import ServeController
+    from ray.serve._private.logging_utils import ServeFormatter
+    from ray.serve._private.proxy import ProxyActor
+
+    # the names Ray gives those actors' lines, and Serve's text format, which starts with the level
+    names = {ServeController.__name__, ProxyActor.__ray_metadata__.class_name}  # one plain class, one @ray.remote
+    assert names == ray_compat.SERVE_SYSTEM_ACTORS
+    assert ServeFormatter.COMPONENT_LOG_FMT.startswith("%(levelname)s ")
+    assert "actor_name" in inspect.getsource(ray_worker.print_worker_logs)
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored afterwards
+    ray_compat.quiet_serve_shutdown_notice()
+    ray_compat.quiet_serve_system_info()
+    ray_compat.quiet_serve_system_info()
+    assert ray_worker.print_to_stdstream.quiet_markers == ("serve_shutdown_notice", "serve_system_info")
+
+    def line(level: str, text: str) -> str:
+        return f"{level} 2026-12-04 15:16:46,044 proxy 192.0.2.2 -- {text}"
+
+    batches = [
+        (
+            "ProxyActor",
+            [line("INFO", "Started <ray.serve._private.router.X object at 0x7f>."), line("DEBUG", "a debug detail")],
+        ),
+        ("ServeController", [line("INFO", "Adding 1 replica"), line("WARNING", "replica slow to start")]),
+        ("ServeController", [line("ERROR", "deploy failed"), "Traceback (most recent call last):", "  boom"]),
+        ("ServeReplica:default:VisionIngress", [line("INFO", "vision ingress: API key off")]),
+        (None, ["INFO a task's own line"]),
+    ]
+    for actor, lines in batches:
+        data = {"lines": lines, "pid": 4242, "ip": "192.0.2.2", "is_err": True, "job": "01000000"}
+        if actor:
+            data["actor_name"] = actor
+        ray_worker.print_to_stdstream(data, ignore_prefix=False)
+    printed = capsys.readouterr().err
+    assert "object at 0x" not in printed and "Adding 1 replica" not in printed and "debug detail" not in printed, (
+        printed
+    )
+    assert "replica slow to start" in printed and "deploy failed" in printed and "  boom" in printed, printed
+    assert "vision ingress: API key off" in printed and "a task's own line" in printed, printed
+    # a batch is not changed in place (Ray's deduplicator keeps references to what it printed)
+    data = {"lines": [line("INFO", "x"), line("WARNING", "y")], "actor_name": "ProxyActor"}
+    assert ray_compat.without_serve_system_info(data) == {**data, "lines": [line("WARNING", "y")]}
+    assert len(data["lines"]) == 2 and ray_compat.without_serve_system_info({**data, "lines": []}) is None
 
 
 def test_serve_noise_is_dropped_and_every_other_serve_line_kept():
