@@ -1,6 +1,6 @@
 """Unit tests for the router's pure parts: the stats replicas publish (deployments.routing_stats), the size
 of a request and the assignment of buckets to replicas (deployments.router_assignment). The routing loop
-itself, with fake replicas, is tests/unit/deployments/test_router.py."""
+itself, with fake replicas, is tests/unit/deployments/test_router.py and test_router_ranking.py."""
 
 from __future__ import annotations
 
