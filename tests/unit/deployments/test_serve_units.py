@@ -1,9 +1,9 @@
 """Service pieces that need no running Serve: arguments, app building, input decoding, error mapping,
-batching, device-side patchify, readiness. Fast; the Serve tests cover the same paths end to end."""
+the replica's batch prefix, device-side patchify, readiness (the request merger: `test_continuous_batcher.py`).
+Fast; the Serve tests cover the same paths end to end."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from types import SimpleNamespace
 
@@ -13,7 +13,6 @@ import torch
 from PIL import Image
 from pydantic import ValidationError
 
-from deployments.batching import ContinuousBatcher
 from deployments.config import AppArgs, replica_plan, resolve_device, resolve_num_gpus
 from deployments.encoder_calls import chunk
 from deployments.errors import ErrorCode, RequestError, classify, with_index
@@ -265,104 +264,6 @@ def _work(patches: int, images: int = 1, tag: str = "") -> Work:
     return Work([np.zeros((1, 1, 3), np.uint8)] * images, [patches // images] * images, tag or "mean")
 
 
-def test_continuous_batcher_merges_waiting_requests_within_limits():
-    batches: list[list[int]] = []
-
-    async def run(works):
-        batches.append([w.patches for w in works])
-        await asyncio.sleep(0.01)  # the "device" is busy: later arrivals queue up
-        return [w.patches for w in works]
-
-    async def scenario():
-        batcher = ContinuousBatcher(run, lambda p, n: p <= 1000 and n <= 3)
-        first = asyncio.create_task(batcher(_work(100)))
-        await asyncio.sleep(0)  # the first request starts alone: no idle wait
-        rest = [asyncio.create_task(batcher(_work(100 * (i + 2)))) for i in range(5)]
-        return await asyncio.gather(first, *rest)
-
-    results = asyncio.run(scenario())
-    assert results == [100, 200, 300, 400, 500, 600]
-    assert batches[0] == [100]
-    assert all(sum(b) <= 1000 and len(b) <= 3 for b in batches)
-    assert sorted(p for b in batches for p in b) == results and len(batches) < len(results)
-
-
-def test_continuous_batcher_propagates_errors_and_skips_cancelled():
-    seen: list[int] = []
-
-    async def run(works):
-        seen.extend(w.patches for w in works)
-        await asyncio.sleep(0.01)
-        if any(w.pooling == "boom" for w in works):
-            raise InvalidArgumentError("boom")
-        return [w.patches for w in works]
-
-    async def scenario():
-        batcher = ContinuousBatcher(run, lambda p, n: n <= 1)
-        a = asyncio.create_task(batcher(_work(1, tag="boom")))
-        await asyncio.sleep(0)
-        b = asyncio.create_task(batcher(_work(2)))
-        c = asyncio.create_task(batcher(_work(3)))
-        await asyncio.sleep(0)
-        b.cancel()
-        results = await asyncio.gather(a, c, return_exceptions=True)
-        return results
-
-    a, c = asyncio.run(scenario())
-    assert isinstance(a, InvalidArgumentError) and c == 3 and 2 not in seen
-
-
-def test_continuous_batcher_runs_up_to_max_concurrent_batches_and_merges_the_rest():
-    running, peak, batches = 0, 0, []
-    release, two_running = asyncio.Event(), asyncio.Event()
-
-    async def run(works):
-        nonlocal running, peak
-        running += 1
-        peak = max(peak, running)
-        if running == 2:
-            two_running.set()
-        batches.append([w.patches for w in works])
-        await release.wait()
-        running -= 1
-        return [-w.patches for w in works]
-
-    async def scenario():
-        batcher = ContinuousBatcher(run, lambda p, n: n <= 4, max_concurrent=2)
-        first = [asyncio.create_task(batcher(_work(i + 1))) for i in range(2)]
-        await asyncio.wait_for(two_running.wait(), 5)  # both start at once, each alone: two free slots
-        assert batches == [[1], [2]] and batcher.queued == 0
-        rest = [asyncio.create_task(batcher(_work(i + 3))) for i in range(6)]
-        await asyncio.sleep(0)
-        assert batcher.queued == 6 and len(batches) == 2  # both slots busy: the others wait
-        release.set()
-        return await asyncio.gather(*first, *rest)
-
-    assert asyncio.run(scenario()) == [-(i + 1) for i in range(8)]
-    assert peak == 2
-    assert batches[2:] == [[3, 4, 5, 6], [7, 8]]  # freed slots took what waited, up to 4 images each
-
-
-def test_continuous_batcher_keep_leaves_the_rest_first_in_line():
-    batches: list[list[int]] = []
-
-    async def run(works):
-        batches.append([w.patches for w in works])
-        await asyncio.sleep(0.01)
-        return [w.patches for w in works]
-
-    async def scenario():
-        # keep at most 2 of a formed batch; the limit alone would allow 10
-        batcher = ContinuousBatcher(run, lambda p, n: n <= 10, keep=lambda works: 2)
-        first = asyncio.create_task(batcher(_work(1)))
-        await asyncio.sleep(0)
-        rest = [asyncio.create_task(batcher(_work(i + 2))) for i in range(5)]
-        return await asyncio.gather(first, *rest)
-
-    assert asyncio.run(scenario()) == [1, 2, 3, 4, 5, 6]
-    assert batches == [[1], [2, 3], [4, 5], [6]]  # order kept: the trimmed requests lead the next batch
-
-
 def test_replica_keeps_the_prefix_with_the_best_patches_per_replay_cost():
     def keep(counts):
         return best_prefix([_work(c) for c in counts], default_table(), fixed_cost=512)
@@ -393,39 +294,6 @@ def test_bucket_router_is_the_default_and_ray_default_is_selectable():
 
     assert AppArgs().request_router_class == "deployments.router:BucketRouter"
     assert AppArgs(request_router_class="ray").request_router_class is None
-
-
-def test_continuous_batcher_runs_an_idle_call_in_the_callers_task():
-    """With a free slot and nothing queued, the item is a batch of its own run in the caller's task (no hand-off
-    to a batch task); calls that arrive meanwhile still queue and merge in the other slot."""
-    tasks: list[tuple[asyncio.Task | None, list[int]]] = []
-    release = None
-
-    async def run(works):
-        tasks.append((asyncio.current_task(), [w.patches for w in works]))
-        await release.wait()
-        return [w.patches * 10 for w in works]
-
-    async def scenario():
-        nonlocal release
-        release = asyncio.Event()
-        batcher = ContinuousBatcher(run, lambda p, n: n <= 8, max_concurrent=2)
-        first = asyncio.create_task(batcher(_work(1)))
-        await asyncio.sleep(0)  # first runs inline and waits; slot 2 is free
-        second = asyncio.create_task(batcher(_work(2)))  # inline in its own task too (a free slot, no queue)
-        await asyncio.sleep(0)
-        rest = [asyncio.create_task(batcher(_work(3 + i))) for i in range(3)]  # both slots busy: queued
-        await asyncio.sleep(0)
-        queued = batcher.queued
-        release.set()
-        out = await asyncio.gather(first, second, *rest)
-        return first, second, queued, out
-
-    first, second, queued, out = asyncio.run(scenario())
-    assert out == [10, 20, 30, 40, 50]
-    assert queued == 3
-    assert tasks[0] == (first, [1]) and tasks[1] == (second, [2])
-    assert tasks[2][1] == [3, 4, 5] and tasks[2][0] not in (first, second)  # merged in a batch task
 
 
 def test_ingress_input_opening_refuses_scan_bombs_and_words_pillow_errors():
