@@ -37,6 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before ray.init: Ray workers inherit the driver's sys.path
 
+from load_gen import load, pct, row, run_load  # noqa: E402 - this script's directory, first on sys.path
 
 # Ray Serve feature flags, read when Ray's processes start (set before `import ray`):
 #   default     Ray's Python HTTP proxy; handle calls as Ray actor tasks; user code in a separate thread.
@@ -100,13 +101,6 @@ def parse_args() -> argparse.Namespace:
     if a.skip - SKIPPABLE:
         p.error(f"--skip: unknown phase groups {sorted(a.skip - SKIPPABLE)}")
     return a
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def images(side: int, n: int, pp, seed: int = 0) -> list[np.ndarray]:
@@ -173,93 +167,6 @@ def engine_phase(a, device: str) -> list[dict]:
 
         run_phase(f"engine x{n}, 2 in flight", n, step)
     return rows
-
-
-# ------------------------------------------------------------------------------------------ load
-
-
-async def run_load(kind: str, target, payloads: list, clients: int, duration: float, per_call: int = 1) -> dict:
-    """Closed loop: `clients` callers, each sending payloads[i % len] until `duration` ends.
-
-    kind "handle": target is an ingress DeploymentHandle, payload a list of uint8 arrays;
-    kind "http": target a base URL, payload a JSON body. Returns images and per-call latencies.
-    """
-    latencies: dict[int, list[float]] = {}
-    count = 0
-    session = None
-    if kind == "http":
-        import aiohttp
-
-        connector = aiohttp.TCPConnector(limit=clients)
-        session = aiohttp.ClientSession(connector=connector, headers={"content-type": "application/json"})
-
-    async def call(payload):
-        if kind == "handle":
-            await target.embed.remote(payload)
-        else:
-            async with session.post(f"{target}/v1/embeddings", data=payload) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-                await r.read()
-
-    async def client(i: int, stop: float) -> None:
-        nonlocal count
-        k = i
-        while time.perf_counter() < stop:
-            payload = payloads[k % len(payloads)]
-            t = time.perf_counter()
-            await call(payload)
-            latencies.setdefault(k % len(payloads), []).append(time.perf_counter() - t)
-            count += per_call
-            k += clients
-
-    try:
-        await asyncio.gather(*(client(i, time.perf_counter() + min(1.0, duration / 4)) for i in range(clients)))  # warm
-        latencies.clear()
-        count, start = 0, time.perf_counter()
-        await asyncio.gather(*(client(i, start + duration) for i in range(clients)))
-        elapsed = time.perf_counter() - start
-    finally:
-        if session is not None:
-            await session.close()
-    return {"images": count, "seconds": elapsed, "latencies": latencies}
-
-
-async def load(a, kind: str, target, payloads: list, clients: int, per_call: int = 1, app_name: str = "bench") -> dict:
-    """Run the closed loop here, or split over --client-procs Ray actors; merge their results."""
-    if a.client_procs <= 0 or clients < 2:
-        return await run_load(kind, target, payloads, clients, a.duration, per_call)
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class Caller:
-        async def run(self, kind, target, payloads, clients, duration, per_call):
-            if kind == "handle":
-                from ray import serve
-
-                target = serve.get_app_handle(app_name)
-            return await run_load(kind, target, payloads, clients, duration, per_call)
-
-    procs = min(a.client_procs, clients)
-    actors = [Caller.remote() for _ in range(procs)]
-    tgt = target if kind == "http" else None
-    parts = await asyncio.gather(*[c.run.remote(kind, tgt, payloads, clients // procs + (i < clients % procs),
-                                                a.duration, per_call) for i, c in enumerate(actors)])  # fmt: skip
-    merged = {"images": sum(p["images"] for p in parts), "seconds": max(p["seconds"] for p in parts), "latencies": {}}
-    for p in parts:
-        for key, values in p["latencies"].items():
-            merged["latencies"].setdefault(key, []).extend(values)
-    for actor in actors:
-        ray.kill(actor)
-    return merged
-
-
-def row(name: str, result: dict, keys=None) -> dict:
-    """A table row; `keys` restricts latencies and img/s to those payload slots (one image per call)."""
-    lat = [v for k, vs in result["latencies"].items() if keys is None or k in keys for v in vs]
-    done = result["images"] if keys is None else len(lat)
-    return {"phase": name, "img_s": done / result["seconds"], "p50_ms": pct(lat, 50) * 1e3,
-            "p99_ms": pct(lat, 99) * 1e3, "calls": len(lat)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ service
@@ -504,7 +411,8 @@ def main() -> None:
         share = 100 * r["img_s"] / engine
         print(f"| {r['phase']} | {r['img_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {share:.0f}% |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
+        args = vars(a) | {"skip": sorted(a.skip)}  # a set: not JSON
+        Path(a.json).write_text(json.dumps({"args": args, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
