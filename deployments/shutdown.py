@@ -11,7 +11,8 @@ is asked to shut down:
 2. Each ingress replica's `DrainWatch` looks the switch up every `POLL_S` (a thread: no event-loop work).
    Once it exists, `/health` answers 503 at once (load balancers stop sending), and `GRACE_S` later
    admission ends: new requests get 503 `shutting_down` with `Retry-After`. The grace lets requests a client
-   sent before the signal, still on their way through the proxy, be admitted rather than refused.
+   sent before the signal, still on their way through the proxy, be admitted rather than refused. A replica
+   that was idle (nothing in flight, no request in the last `GRACE_S`) ends admission after `QUIET_GRACE_S`.
 3. When the replica has nothing in flight it reports to the switch; the stopping process waits until every
    running ingress replica has reported, at most `drain_timeout(args)` (an admitted request ends within
    `request_timeout_s`, answered 504 at worst), then calls `serve.shutdown()`.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
+import math
 import signal
 import sys
 import threading
@@ -54,6 +56,10 @@ POLL_S = 0.5  # how often an ingress looks for the switch: the delay before /hea
 # handler can start seconds after Serve received it when the ingress's event loop is starved (measured
 # 2.0 s on a loaded 2-CPU box, with a 64-image request decoding), and it must still be admitted then.
 GRACE_S = 5.0
+# A replica with nothing in flight and no request in the GRACE_S before it sees the switch (an idle service: Ctrl-C
+# on a development box) ends admission after QUIET_GRACE_S instead: a request sent before the signal reaches an
+# idle replica's handler within milliseconds. A starved event loop, what GRACE_S is for, has work in flight.
+QUIET_GRACE_S = 1.0
 # what the switch-and-report round trips and Serve's own teardown add to the longest admitted request
 SHUTDOWN_MARGIN_S = 5.0
 
@@ -89,6 +95,8 @@ class DrainWatch:
 
     def __init__(self, replica_id: str, inflight, poll_s: float = POLL_S, grace_s: float = GRACE_S):
         self._replica_id, self._inflight, self._poll_s, self._grace_s = replica_id, inflight, poll_s, grace_s
+        self._last_request = -math.inf  # when a request last asked to be admitted, before the switch
+        self.admission_ends: float | None = None
         self.noticed_at: float | None = None
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="drain-watch", daemon=True).start()
@@ -99,8 +107,21 @@ class DrainWatch:
         return self.noticed_at is not None
 
     def admitting(self) -> bool:
-        """New requests may still be admitted (not draining, or within the grace after the switch was seen)."""
-        return self.noticed_at is None or time.monotonic() < self.noticed_at + self._grace_s
+        """New requests may still be admitted (not draining, or within the grace after the switch was seen). Each
+        request asks once, as it arrives."""
+        now = time.monotonic()
+        if self.noticed_at is None:
+            self._last_request = now
+            return True
+        return now < self.admission_ends
+
+    def notice(self, now: float) -> float:
+        """The switch is seen at `now`: the grace during which requests are still admitted (seconds)."""
+        quiet = self._inflight() == 0 and now - self._last_request >= self._grace_s
+        grace = min(self._grace_s, QUIET_GRACE_S) if quiet else self._grace_s
+        self.admission_ends = now + grace
+        self.noticed_at = now  # last: `admitting` reads `admission_ends` once this is set
+        return grace
 
     def stop(self) -> None:
         self._stop.set()
@@ -117,8 +138,8 @@ class DrainWatch:
             except Exception as e:  # noqa: BLE001 - the GCS unreachable now is no reason to stop watching
                 logger.debug("drain switch lookup failed: %s", e)
                 continue
-        self.noticed_at = time.monotonic()
-        logger.info("shutting down: /health answers 503, admission ends in %gs", self._grace_s)
+        grace = self.notice(time.monotonic())
+        logger.info("shutting down: /health answers 503, admission ends in %gs", grace)
         # after the grace nothing new is admitted, so the count only falls
         while not self._stop.wait(self._poll_s):
             if not self.admitting() and self._inflight() == 0:

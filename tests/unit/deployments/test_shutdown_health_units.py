@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from deployments.errors import ErrorCode, RequestError, shown
 from deployments.openai_api import error_response
 from deployments.readiness import encoder_ready
-from deployments.shutdown import DrainWatch, drain_timeout
+from deployments.shutdown import GRACE_S, QUIET_GRACE_S, DrainWatch, drain_timeout
 
 
 def status(running: int, state: str = "HEALTHY"):
@@ -47,15 +47,36 @@ def test_shown_truncates_echoed_values():
 
 
 def test_drain_watch_admits_only_within_the_grace():
-    watch = DrainWatch("r1", lambda: 0, poll_s=60, grace_s=0.0)  # the thread never looks: driven by hand
+    inflight = [0]
+    watches = []
+
+    def watch(grace_s: float = GRACE_S) -> DrainWatch:
+        watches.append(DrainWatch("r1", lambda: inflight[0], poll_s=60, grace_s=grace_s))  # driven by hand
+        return watches[-1]
+
     try:
-        assert watch.admitting() and not watch.draining
-        watch.noticed_at = time.monotonic()
-        assert watch.draining and not watch.admitting()
-        watch._grace_s = 3600.0
-        assert watch.admitting()
+        # a replica that has seen no request: the short grace
+        idle = watch()
+        assert not idle.draining and idle.notice(time.monotonic()) == QUIET_GRACE_S < GRACE_S
+        assert idle.draining and idle.admitting()
+        idle.admission_ends = time.monotonic()  # the grace over
+        assert not idle.admitting()
+        # a request asked just before the switch, or one is in flight: the whole grace for those on their way
+        recent = watch()
+        assert recent.admitting() and not recent.draining
+        assert recent.notice(time.monotonic()) == GRACE_S and recent.admitting()
+        inflight[0] = 1
+        assert watch().notice(time.monotonic()) == GRACE_S
+        # quiet for a whole grace before the switch: short again (a grace of 0 is no grace at all)
+        inflight[0] = 0
+        quiet = watch()
+        assert quiet.admitting()
+        assert quiet.notice(time.monotonic() + GRACE_S) == QUIET_GRACE_S
+        none = watch(grace_s=0.0)
+        assert none.admitting() and none.notice(time.monotonic()) == 0.0 and not none.admitting()
     finally:
-        watch.stop()
+        for w in watches:
+            w.stop()
     assert drain_timeout(60) > 60
 
 
