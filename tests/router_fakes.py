@@ -108,3 +108,11 @@ async def settle(router: BucketRouter) -> None:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def two_replicas(router: BucketRouter, *, max_ongoing: int) -> tuple[FakeReplica, FakeReplica]:
+    """Replicas "a" and "b", both publishing TWO's buckets, handed to `router`, their first probes answered."""
+    a, b = FakeReplica("a", TWO_STATS, max_ongoing=max_ongoing), FakeReplica("b", TWO_STATS, max_ongoing=max_ongoing)
+    router.update_replicas([a, b])
+    await settle(router)
+    return a, b

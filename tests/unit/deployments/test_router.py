@@ -24,6 +24,7 @@ from tests.router_fakes import (
     route,
     run,
     settle,
+    two_replicas,
 )
 from workspace.buckets import BucketTable
 from workspace.tables import router_fallback_table
@@ -73,9 +74,7 @@ def test_balances_by_queue_length_inside_the_owner_set():
 def test_spill_when_owner_queue_reaches_threshold():
     async def body():
         router = make_router(spill_fraction=0.5, spill_patches=0)
-        a, b = FakeReplica("a", TWO_STATS, max_ongoing=8), FakeReplica("b", TWO_STATS, max_ongoing=8)
-        router.update_replicas([a, b])
-        await settle(router)
+        a, b = await two_replicas(router, max_ongoing=8)
         assert router.spill_queue_len(a) == 4
         chosen = [(await route(router, 200)).uid for _ in range(6)]
         assert chosen == ["a"] * 4 + ["b"] * 2  # a owns 256; at 4 queued (>= 0.5 * 8) it spills to b
@@ -92,9 +91,7 @@ def test_spill_when_owner_queue_reaches_threshold():
 def test_spill_when_owner_is_full_even_without_an_early_threshold():
     async def body():
         router = make_router(spill_fraction=1.0, spill_patches=0)
-        a, b = FakeReplica("a", TWO_STATS, max_ongoing=2), FakeReplica("b", TWO_STATS, max_ongoing=2)
-        router.update_replicas([a, b])
-        await settle(router)
+        a, b = await two_replicas(router, max_ongoing=2)
         assert [(await route(router, 200)).uid for _ in range(4)] == ["a", "a", "b", "b"]
         # all full: Ray backs off and retries until a slot frees up
         pending = asyncio.ensure_future(route(router, 200, send=False))
@@ -109,9 +106,7 @@ def test_spill_when_owner_is_full_even_without_an_early_threshold():
 def test_spill_by_patches_in_flight():
     async def body():
         router = make_router(spill_queue_len=100, spill_patches=5000)
-        a, b = FakeReplica("a", TWO_STATS, max_ongoing=100), FakeReplica("b", TWO_STATS, max_ongoing=100)
-        router.update_replicas([a, b])
-        await settle(router)
+        a, b = await two_replicas(router, max_ongoing=100)
         results = []
         for _ in range(2):
             pr = request(3000)

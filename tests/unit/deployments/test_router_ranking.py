@@ -21,6 +21,7 @@ from tests.router_fakes import (
     route,
     run,
     settle,
+    two_replicas,
 )
 from workspace.buckets import BucketError
 
@@ -53,9 +54,7 @@ def test_an_idle_replica_takes_requests_whose_owner_has_a_queue():
 
     async def body():
         router = make_router(spill_queue_len=100, spill_patches=0, idle_spill_queue_len=2)
-        a, b = FakeReplica("a", TWO_STATS, max_ongoing=100), FakeReplica("b", TWO_STATS, max_ongoing=100)
-        router.update_replicas([a, b])
-        await settle(router)
+        a, b = await two_replicas(router, max_ongoing=100)
         assert [(await route(router, 200)).uid for _ in range(5)] == ["a", "a", "b", "a", "a"]
         b.queue_len = 0  # b finished its request; the next probe or send reports it
         router.on_new_queue_len_info(b.replica_id, 0)
@@ -71,9 +70,7 @@ def test_a_non_owner_busy_with_other_sizes_never_takes_the_idle_spill():
 
     async def body():
         router = make_router(spill_queue_len=100, spill_patches=0, idle_spill_queue_len=2)
-        a, b = FakeReplica("a", TWO_STATS, max_ongoing=100), FakeReplica("b", TWO_STATS, max_ongoing=100)
-        router.update_replicas([a, b])
-        await settle(router)
+        a, b = await two_replicas(router, max_ongoing=100)
         assert (await route(router, 3000)).uid == "b"  # b holds one large request
         assert [(await route(router, 200)).uid for _ in range(30)] == ["a"] * 30
         pr = request(200)
@@ -130,9 +127,7 @@ def test_a_burst_respects_the_spill_threshold():
 
     async def body():
         router = make_router(spill_queue_len=4, spill_patches=0)
-        a, b = FakeReplica("a", TWO_STATS, max_ongoing=100), FakeReplica("b", TWO_STATS, max_ongoing=100)
-        router.update_replicas([a, b])
-        await settle(router)
+        a, b = await two_replicas(router, max_ongoing=100)
         chosen = await asyncio.gather(*(router._choose_replica_for_request(request(200)) for _ in range(10)))
         # a saturates at 4, b takes the spill up to its own threshold, then the owner again
         assert [r.uid for r in chosen] == ["a"] * 4 + ["b"] * 4 + ["a"] * 2
@@ -155,9 +150,7 @@ def test_arrival_order_and_no_cross_bucket_handoff():
 
     async def body():
         router = make_router(spill_queue_len=1000)
-        a, b = FakeReplica("a", TWO_STATS, max_ongoing=1000), FakeReplica("b", TWO_STATS, max_ongoing=1000)
-        router.update_replicas([a, b])
-        await settle(router)
+        a, b = await two_replicas(router, max_ongoing=1000)
         done: list[int] = []
         sizes = [200, 3000] * 10 + [200] * 10
         requests = [request(n) for n in sizes]
