@@ -96,21 +96,20 @@ class DrainWatch:
     def __init__(self, replica_id: str, inflight, poll_s: float = POLL_S, grace_s: float = GRACE_S):
         self._replica_id, self._inflight, self._poll_s, self._grace_s = replica_id, inflight, poll_s, grace_s
         self._last_request = -math.inf  # when a request last asked to be admitted, before the switch
-        self.admission_ends: float | None = None
-        self.noticed_at: float | None = None
+        self.admission_ends: float | None = None  # set when the switch is seen: the end of its grace
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="drain-watch", daemon=True).start()
 
     @property
     def draining(self) -> bool:
         """The service is shutting down (`/health` answers 503)."""
-        return self.noticed_at is not None
+        return self.admission_ends is not None
 
     def admitting(self) -> bool:
         """New requests may still be admitted (not draining, or within the grace after the switch was seen). Each
         request asks once, as it arrives."""
         now = time.monotonic()
-        if self.noticed_at is None:
+        if self.admission_ends is None:
             self._last_request = now
             return True
         return now < self.admission_ends
@@ -120,7 +119,6 @@ class DrainWatch:
         quiet = self._inflight() == 0 and now - self._last_request >= self._grace_s
         grace = min(self._grace_s, QUIET_GRACE_S) if quiet else self._grace_s
         self.admission_ends = now + grace
-        self.noticed_at = now  # last: `admitting` reads `admission_ends` once this is set
         return grace
 
     def stop(self) -> None:
