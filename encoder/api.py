@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .attention import resolve_attention
-from .checkpoint import load_weights, read_json
+from .checkpoint import load_weights, read_image_processor
 from .config import ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
 from .errors import ConfigError, InvalidArgumentError, RandomWeightsWarning
 from .geometry import frames_of
@@ -257,11 +257,20 @@ def default_device() -> torch.device:
 def _resolve_device(device) -> torch.device:
     if device is None:
         return default_device()
+    shown = repr(device) if isinstance(device, str) else f"of type {type(device).__name__}"
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, TypeError):
-        shown = repr(device) if isinstance(device, str) else f"of type {type(device).__name__}"
         raise ConfigError(f"unknown device {shown}; expected cpu, cuda or cuda:N") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {shown} is not supported; expected cpu, cuda or cuda:N")
+    if resolved.type == "cuda":  # here, not at the first tensor moved there (torch's AssertionError)
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ConfigError(f"device {shown} asked for, but {why}; use device='cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {shown}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return resolved
 
 
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
@@ -278,18 +287,30 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
-    """The preprocessing of a model: `preprocessor_config.json` in `directory` when present, else the
-    family's defaults for this config (no weights needed)."""
-    path = directory / "preprocessor_config.json" if directory is not None else None
-    raw = read_json(path) if path is not None and path.exists() else None
+    """The preprocessing of a model: the image processor's settings in `directory` (found as transformers
+    finds them: `checkpoint.read_image_processor`) when it has them, else the family's defaults for this
+    config (no weights needed). Raises ConfigError naming the file for settings this encoder cannot honour
+    or that do not fit the model."""
+    found = read_image_processor(directory) if directory is not None else None
+    if found is None:
+        return default_preprocess_config(config)
+    raw, source = found
+    try:
+        if is_fixed_resolution(config):
+            return VitPreprocessConfig.from_hf_dict(raw, config)
+        pp = PreprocessConfig.from_hf_dict(raw)
+        check_patches_match(pp, config)
+        return pp
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def default_preprocess_config(config: VisionConfig):
+    """The family's preprocessing for `config` when its checkpoint says nothing."""
     if is_fixed_resolution(config):
-        if raw is None:
-            pp = VitPreprocessConfig.for_model(config)
-            check_matches_model(pp, config)
-            return pp
-        return VitPreprocessConfig.from_hf_dict(raw, config)
-    if raw is not None:
-        return PreprocessConfig.from_hf_dict(raw)
+        pp = VitPreprocessConfig.for_model(config)
+        check_matches_model(pp, config)
+        return pp
     if isinstance(config, Qwen3VLVisionConfig):
         # transformers has no Qwen3-VL defaults (its Qwen2VLImageProcessor defaults are Qwen2-VL's:
         # patch 14, CLIP mean/std); these are the published Qwen3-VL / Qwen3.5 preprocessor_config.json
@@ -300,6 +321,18 @@ def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
         )  # fmt: skip
     return PreprocessConfig(patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
                             merge_size=config.spatial_merge_size)  # fmt: skip
+
+
+def check_patches_match(pp: PreprocessConfig, config: VisionConfig) -> None:
+    """A Qwen image processor cuts the patches the model embeds and merges: its sizes must be the model's
+    (a file that leaves one out gets transformers' Qwen2-VL default, 14, which a patch-16 model cannot
+    take; transformers' own model would fail at its first image)."""
+    pairs = [("patch_size", pp.patch_size, config.patch_size),
+             ("temporal_patch_size", pp.temporal_patch_size, config.temporal_patch_size),
+             ("merge_size", pp.merge_size, config.spatial_merge_size)]  # fmt: skip
+    wrong = [f"{name} {ours} (the model's is {theirs})" for name, ours, theirs in pairs if ours != theirs]
+    if wrong:
+        raise ConfigError(f"the image processor does not fit the model: {', '.join(wrong)}")
 
 
 def attention_plan(config: VisionConfig, device, dtype=None, attention=None) -> dict:
@@ -328,12 +361,15 @@ def load(
     """A `VisionEncoder` from a preset name (random weights; warns), a local checkpoint directory or a
     Hugging Face Hub id `org/name[@revision]` (`encoder.hub.resolve_model`, which runs first: a bad
     model fails before anything is built)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an int, got {type(seed).__name__}")
     source = model if isinstance(model, ResolvedModel) else resolve_model(model)
     if not source.weights_on_disk:  # checked earlier without its weights (a service's driver): fetch them now
         source = resolve_model(source.given)
     device = _resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
     config, path = source.config, source.path
+    pp = preprocess_config_for(config, path)  # before the weights: a bad image processor fails at once
     # built on the meta device: PyTorch's default init of ~680M parameters would cost seconds
     # only to be overwritten by the checkpoint or our seeded init
     with torch.device("meta"):
@@ -347,7 +383,6 @@ def load(
         load_weights(tower, path)
     else:
         init_random_weights(tower, seed)
-    pp = preprocess_config_for(config, path)
     tower = tower.to(device=device, dtype=dtype).eval()
     if source.random_weights:
         RandomWeightsWarning.warn(source.name, stacklevel=2)  # at the line that called load

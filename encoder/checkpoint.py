@@ -43,6 +43,28 @@ def read_json(path: Path) -> dict:
     return data
 
 
+# Where a checkpoint keeps its image processor's settings, in the order transformers' AutoImageProcessor reads
+# them: transformers 5's processor.save_pretrained writes every processor's settings to one file, the image
+# processor's under "image_processor"; transformers 4 (most published checkpoints) wrote them alone.
+PROCESSOR_FILE = "processor_config.json"
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+
+
+def read_image_processor(directory: Path) -> tuple[dict, Path] | None:
+    """The image processor's settings in a checkpoint directory and the file they came from: the
+    "image_processor" entry of processor_config.json when it has one, else preprocessor_config.json;
+    None when neither holds them."""
+    combined = directory / PROCESSOR_FILE
+    if combined.exists():
+        nested = read_json(combined).get("image_processor")
+        if nested is not None:
+            if not isinstance(nested, dict):
+                raise CheckpointError(f"{combined}: 'image_processor' must be a JSON object")
+            return nested, combined
+    alone = directory / IMAGE_PROCESSOR_FILE
+    return (read_json(alone), alone) if alone.exists() else None
+
+
 def load_config(directory: Path) -> VisionConfig:
     raw = read_json(directory / "config.json")
     vision = raw.get("vision_config")

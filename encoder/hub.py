@@ -8,10 +8,12 @@ and what would have been accepted. Resolution order:
 2. an existing directory (its `config.json` is parsed, its safetensors looked for);
 3. a Hub id `org/name` or `org/name@revision` (branch, tag or commit), fetched with `huggingface_hub`
    into its standard cache (`HF_HOME` / `HF_HUB_CACHE`), honouring `HF_HUB_OFFLINE` and `HF_TOKEN`.
-   Only `config.json`, `preprocessor_config.json`, the safetensors index and the shards that hold
-   the vision tower (`checkpoint.vision_shards`) are downloaded; pickled weights never are.
+   Only `config.json`, the image processor's settings (`processor_config.json`,
+   `preprocessor_config.json`), the safetensors index and the shards that hold the vision tower
+   (`checkpoint.vision_shards`) are downloaded; pickled weights never are.
 
-Anything else that looks like a path (`/x`, `./x`, `~/x`, `x/y/z`) is a missing directory.
+Anything else that looks like a path (`/x`, `./x`, `~/x`, `x/y/z`) is a missing directory; what follows an
+`@` is a revision, which may hold `/` (`org/name@refs/pr/12`).
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import validate_repo_id
 
-from .checkpoint import load_config, read_weight_map, vision_shards
+from .checkpoint import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, load_config, read_weight_map, vision_shards
 from .config import VisionConfig
 from .errors import CheckpointError, ConfigError, reason
 from .presets import PRESETS
 
-CONFIG_FILES = ("config.json", "preprocessor_config.json", "model.safetensors.index.json")
+CONFIG_FILES = ("config.json", PROCESSOR_FILE, IMAGE_PROCESSOR_FILE, "model.safetensors.index.json")
 SINGLE_WEIGHTS = "model.safetensors"
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 # org/name with Hub-legal characters, then an optional @revision (branch and tag names may hold '/')
@@ -94,7 +96,8 @@ def parse_hub_id(model: str) -> tuple[str, str | None] | None:
 
 
 def _looks_like_path(model: str) -> bool:
-    return model.startswith(("/", "./", "../", "~", ".\\")) or model.count("/") > 1 or "\\" in model
+    name = model.split("@", 1)[0]  # a Hub revision may hold '/' (refs/pr/12, feature/x)
+    return model.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or "\\" in model
 
 
 def resolve_model(model: str | Path, *, download_weights: bool = True) -> ResolvedModel:

@@ -5,8 +5,9 @@ JPEG with 24,000 near-empty refinement scans is 288 KB and takes libjpeg ~12 s (
 blocks). `check_structure` walks the container (JPEG marker segments, PNG / WebP chunks, GIF blocks, TIFF
 directories) in linear time without decoding and refuses files whose scan, chunk, frame or tag counts are
 beyond what real encoders write, with `ImageTooComplexError` naming the limit; structures that point past
-the end of the data raise `ImageDecodeError`. Anything the walk does not understand is left to the
-decoder, so no file Pillow decodes today is refused for its structure unless it is over a limit.
+the end of the data raise `ImageDecodeError`, except a cut from the image data on (inside a JPEG scan, a
+PNG from its first IDAT), which is the decoder's call. Anything the walk does not understand is left to
+the decoder, so no file Pillow decodes today is refused for its structure unless it is over a limit.
 
 Defaults (`ImageLimits`): 100 JPEG scans (libjpeg's progressive script for a colour image writes 10;
 libjpeg-turbo's djpeg/jpegtran offer `-maxscans` for this very attack), 4,096 JPEG marker segments,
@@ -139,9 +140,14 @@ _MAX_CHUNK = 2**31 - 1  # the PNG specification's bound on a chunk length
 
 
 def _check_png(data: bytes, limits: ImageLimits) -> None:
-    n, pos, chunks = len(data), 8, 0
+    n, pos, chunks, seen_idat = len(data), 8, 0, False
     while pos < n:
+        # a cut from the image data on (IEND's or the last IDAT's CRC, trailing metadata, or IDAT data that
+        # falls short) is the decoder's call, as a JPEG cut inside a scan is: Pillow decodes such a PNG when
+        # its pixels are all there and says "truncated" when they are not
         if pos + 8 > n:
+            if seen_idat:
+                return
             raise _past_end("PNG", "a chunk header", pos, n)
         length, kind = struct.unpack_from(">I4s", data, pos)
         name = kind.decode("latin-1")
@@ -150,7 +156,10 @@ def _check_png(data: bytes, limits: ImageLimits) -> None:
                 f"PNG image is corrupt: chunk {name!r} at byte {pos} declares {length} bytes (> 2^31-1)"
             )
         if pos + 12 + length > n:
+            if seen_idat or kind == b"IDAT":
+                return
             raise _past_end("PNG", f"chunk {name!r} ({length} bytes)", pos, n)
+        seen_idat = seen_idat or kind == b"IDAT"
         chunks += 1
         if chunks > limits.max_chunks:
             raise _too_complex("PNG", "chunks", chunks, "max_chunks", limits.max_chunks)

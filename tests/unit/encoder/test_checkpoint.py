@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 import encoder
 from encoder import CheckpointError, ConfigError
 from tests.hf_models import write_checkpoint
+from tests.images_util import random_image
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,37 @@ def test_preprocessor_config_is_read(good):
     enc = encoder.load(str(good), device="cpu")
     assert enc.preprocess_config.max_pixels == 200704
     assert enc.config.family == "qwen2_5_vl"
+
+
+def test_processor_config_json_is_read_first_as_transformers_reads_it(good, tmp_path):
+    """transformers 5's `processor.save_pretrained` writes the image processor's settings into
+    processor_config.json (under "image_processor") and AutoImageProcessor reads them there before
+    preprocessor_config.json: a fine-tuned checkpoint saved that way must preprocess as HF does."""
+    from transformers import AutoImageProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    d = copy_dir(good, tmp_path / "d")  # its preprocessor_config.json says max_pixels 200704
+    published = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056).to_dict()  # Qwen2.5-VL's Hub values
+    (d / "processor_config.json").write_text(json.dumps({"image_processor": published, "processor_class": "x"}))
+    image = random_image("RGB", 1400, 1000, seed=2)  # over 200,704 pixels, under 12,845,056
+    hf = AutoImageProcessor.from_pretrained(d)(image, return_tensors="pt")
+    ours = encoder.load(str(d), device="cpu").preprocess([image])
+    assert ours.grid_thw.tolist() == hf["image_grid_thw"].tolist() == [[1, 100, 72]]
+    torch.testing.assert_close(ours.pixel_values, hf["pixel_values"], rtol=0, atol=1e-5)
+    # without an "image_processor" entry the file is not the image processor's: preprocessor_config.json is
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "x"}))
+    assert encoder.load(str(d), device="cpu").preprocess_config.max_pixels == 200704
+
+
+def test_image_processor_that_does_not_fit_the_model_fails_at_load_naming_the_file(good, tmp_path):
+    d = copy_dir(good, tmp_path / "d")
+    (d / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16, "merge_size": 2}))
+    with pytest.raises(ConfigError, match=r"preprocessor_config.json: .*patch_size 16 \(the model's is 14\)"):
+        encoder.load(str(d), device="cpu")
+    (d / "preprocessor_config.json").unlink()
+    (d / "processor_config.json").write_text(json.dumps({"image_processor": {"image_std": [0, 0, 0]}}))
+    with pytest.raises(ConfigError, match=r"processor_config.json: invalid preprocessor config"):
+        encoder.load(str(d), device="cpu")
 
 
 def test_unknown_model_type(good, tmp_path):

@@ -146,7 +146,7 @@ def test_malformed_structures_get_clear_errors():
         "JPEG .*0xFFDB segment .* runs past the end": jpeg[:30],
         "JPEG image is corrupt: marker 0xFFDB at byte 2 has length 1": b"\xff\xd8\xff\xdb\x00\x01" + jpeg[6:],
         "JPEG .*the length of marker 0xFFDB .* runs past the end": b"\xff\xd8\xff\xdb\x00",
-        "PNG .*chunk 'IDAT' \\(1000 bytes\\) at byte 33 runs past the end": sig_ihdr + png_chunk(b"IDAT", b"x", 1000),
+        "PNG .*chunk 'PLTE' \\(768 bytes\\) at byte 33 runs past the end": sig_ihdr + png_chunk(b"PLTE", b"x", 768),
         "PNG image is corrupt: chunk 'IDAT' at byte 33 declares 4294967295 bytes": sig_ihdr
         + png_chunk(b"IDAT", b"", 2**32 - 1),
         "PNG .*a chunk header at byte 33 runs past the end": sig_ihdr + b"\x00\x00",
@@ -161,6 +161,22 @@ def test_malformed_structures_get_clear_errors():
         assert "object at" not in str(info.value) and "\n" not in str(info.value)
         with pytest.raises(ImageDecodeError):
             load_image(data)
+
+
+def test_a_png_cut_after_its_pixels_decodes_as_pillow_decodes_it():
+    """What Pillow decodes is not refused for its structure: a PNG whose IEND, or the last IDAT's CRC, was cut
+    off (its pixels all there); one cut inside its image data is still an ImageDecodeError (Pillow's)."""
+    image = random_image("RGB", 120, 150, seed=3)
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    png = buf.getvalue()
+    for cut in (4, 8, 12, 13, 16):  # IEND's CRC, its length field only, all of IEND, then the last IDAT's CRC
+        data = png[:-cut]
+        Image.open(io.BytesIO(data)).load()  # the premise: Pillow decodes it
+        check_structure(data)
+        assert np.array_equal(np.asarray(load_image(data)), np.asarray(image)), cut
+    with pytest.raises(ImageDecodeError, match="PNG image is truncated or corrupt"):
+        load_image(png[: len(png) // 2])
 
 
 @pytest.mark.parametrize("kind", ["jpeg-progressive", "jpeg-restarts", "png", "apng", "gif-animated", "webp-animated",
