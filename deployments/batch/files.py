@@ -35,6 +35,7 @@ class InputFile:
     format: str  # "parquet" | "ipc-file" | "ipc-stream"
     num_rows: int
     bytes: int
+    mtime_ns: int  # with the size, what tells a re-run that a file was rewritten (rsync's and make's test)
     row_groups: list[int] = field(default_factory=list)  # Parquet: rows per row group
 
 
@@ -54,10 +55,11 @@ class Part:
         return self.stop - self.start
 
 
-def _is_input(path: Path) -> bool:
-    name = path.name.lower()
-    hidden = name.startswith((".", "_"))
-    return not hidden and name.endswith(PARQUET_EXTENSIONS + IPC_EXTENSIONS)
+def _is_input(path: Path, root: Path) -> bool:
+    """A data file under `root`, not hidden: no name on its way down starts with '.' or '_' (as pyarrow's
+    datasets skip them: `.cache/`, Spark's in-progress `_temporary/`, `_SUCCESS`)."""
+    hidden = any(name.startswith((".", "_")) for name in path.relative_to(root).parts)
+    return not hidden and path.name.lower().endswith(PARQUET_EXTENSIONS + IPC_EXTENSIONS)
 
 
 def discover(inputs: list[str]) -> list[Path]:
@@ -66,7 +68,7 @@ def discover(inputs: list[str]) -> list[Path]:
     for raw in inputs:
         path = Path(raw).expanduser().resolve()
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and _is_input(p))
+            found = sorted(p for p in path.rglob("*") if p.is_file() and _is_input(p, path))
             if not found:
                 raise JobError(f"{path}: no Parquet or Arrow IPC files in this directory")
             files.extend(found)
@@ -93,10 +95,12 @@ def inspect_input(path: Path) -> tuple[InputFile, pa.Schema]:
         if path.name.lower().endswith(PARQUET_EXTENSIONS):
             meta = pq.ParquetFile(str(path)).metadata
             groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-            info = InputFile(str(path), "parquet", meta.num_rows, path.stat().st_size, groups)
+            stat = path.stat()
+            info = InputFile(str(path), "parquet", meta.num_rows, stat.st_size, stat.st_mtime_ns, groups)
             return info, meta.schema.to_arrow_schema()
         kind, table = open_ipc(path)  # memory-mapped: zero-copy, only the metadata is read
-        return InputFile(str(path), kind, table.num_rows, path.stat().st_size), table.schema
+        stat = path.stat()
+        return InputFile(str(path), kind, table.num_rows, stat.st_size, stat.st_mtime_ns), table.schema
     except (OSError, pa.ArrowException) as exc:
         raise JobError(f"{path}: cannot read as Parquet or Arrow IPC: {exc}") from exc
 

@@ -116,7 +116,7 @@ def job_params(cfg: JobConfig, files: list[InputFile], part_rows: int) -> dict:
     """What determines the output; a re-run must match these exactly."""
     model = str(Path(cfg.model).resolve()) if Path(cfg.model).is_dir() else cfg.model
     return {
-        "inputs": [{"path": f.path, "rows": f.num_rows, "bytes": f.bytes} for f in files],
+        "inputs": [{"path": f.path, "rows": f.num_rows, "bytes": f.bytes, "mtime_ns": f.mtime_ns} for f in files],
         "image_column": cfg.image_column,
         "model": model,
         "pooling": cfg.pooling,
@@ -124,6 +124,42 @@ def job_params(cfg: JobConfig, files: list[InputFile], part_rows: int) -> dict:
         "attention": cfg.attention,
         "part_rows": part_rows,
     }
+
+
+def check_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfig) -> str | None:
+    """Check each input file, and the files against each other (Ray Data mixes their rows in its blocks: a
+    column of other types in another file fails the whole job at run time, and a file of paths beside one
+    of bytes would be decoded as bytes); returns the id column, or None for none. JobError names the file."""
+    for path, schema in zip(paths, schemas, strict=True):
+        try:
+            check_input_schema(schema, cfg.image_column)
+        except InvalidArgumentError as exc:
+            raise JobError(f"{path}: {exc}") from None
+        if set(schema.names) & {PART_COLUMN, ROW_COLUMN}:
+            raise JobError(f"{path}: columns {PART_COLUMN}/{ROW_COLUMN} are reserved")
+    kinds = [image_column_kind(s.field(cfg.image_column).type) for s in schemas]
+    for path, schema, kind in zip(paths, schemas, kinds, strict=True):
+        if kind != kinds[0]:
+            held = {"bytes": "encoded images", "path": "file paths", "struct": "Hugging Face Image structs"}
+            raise JobError(
+                f"{path}: column {cfg.image_column!r} holds {held[kind]} but in {paths[0]} it holds "
+                f"{held[kinds[0]]}; run one job per kind"
+            )
+        try:
+            pa.unify_schemas([schemas[0], schema], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, NotImplementedError) as exc:
+            raise JobError(f"{path}: its columns do not fit those of {paths[0]} ({exc})") from None
+    id_column = cfg.id_column if cfg.id_column and cfg.id_column in schemas[0].names else None
+    if cfg.id_column and id_column is None and cfg.id_column != "id":
+        raise JobError(f"no id column {cfg.id_column!r} in the input; columns: {', '.join(schemas[0].names)}")
+    if id_column == cfg.image_column:  # the output keeps every input column but the image column
+        raise JobError(
+            f"--id-column {id_column!r} is the image column, which the output does not keep; name another column"
+        )
+    for path, schema in zip(paths, schemas, strict=True):
+        if id_column is not None and id_column not in schema.names:
+            raise JobError(f"{path}: no id column {id_column!r} (the other inputs have it)")
+    return id_column
 
 
 def resolve_part_rows(cfg: JobConfig) -> int:
@@ -160,16 +196,7 @@ def run_job(cfg: JobConfig) -> JobSummary:
         raise JobError("no input files (the output directory's own parts are not inputs)")
     infos, schemas = zip(*(inspect_input(p) for p in paths), strict=True)
     files = list(infos)
-    for path, schema in zip(paths, schemas, strict=True):
-        try:
-            check_input_schema(schema, cfg.image_column)
-        except InvalidArgumentError as exc:
-            raise JobError(f"{path}: {exc}") from None
-        if set(schema.names) & {PART_COLUMN, ROW_COLUMN}:
-            raise JobError(f"{path}: columns {PART_COLUMN}/{ROW_COLUMN} are reserved")
-    id_column = cfg.id_column if cfg.id_column and cfg.id_column in schemas[0].names else None
-    if cfg.id_column and id_column is None and cfg.id_column != "id":
-        raise JobError(f"no id column {cfg.id_column!r} in the input; columns: {', '.join(schemas[0].names)}")
+    id_column = check_inputs(paths, list(schemas), cfg)
     part_rows = resolve_part_rows(cfg)
     parts = plan_parts(files, part_rows)
     make_output_dir(out)
@@ -231,14 +258,21 @@ class PartsRunner:
 
         from ..ray_compat import quiet_token_auth_notice
 
-        cfg = self.cfg
+        cfg, own_ray = self.cfg, False
         if not ray.is_initialized():
             address = ray_address(cfg.address)
-            if address == "local":  # a Ray instance of this process's own: ended with it, even on SIGKILL
+            own_ray = address == "local"
+            if own_ray:  # a Ray instance of this process's own: ended with it, even on SIGKILL
                 start_reaper()
             quiet_token_auth_notice()  # authentication stays on; Ray's notice of it at every start goes
             ray.init(address=address)
-        gpus = gpus_in_cluster() if cfg.num_gpus is None else cfg.num_gpus
+        available = gpus_in_cluster()
+        if cfg.num_gpus and own_ray and available < cfg.num_gpus:  # nothing could add GPUs: it would wait forever
+            raise JobError(
+                f"--num-gpus {cfg.num_gpus}: this machine has {available} GPU(s) for Ray (the job's own instance); "
+                "ask for fewer, or pass --address of a cluster that has them"
+            )
+        gpus = available if cfg.num_gpus is None else cfg.num_gpus
         batch_size = cfg.batch_size
         if batch_size is None:
             values, typ = head_values(self.files[todo[0].file], cfg.image_column)

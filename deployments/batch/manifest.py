@@ -40,6 +40,19 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _changed_input(old: list[dict], new: list[dict]) -> str:
+    """': <the first input file that differs, and how>', or '' when the inputs are the same."""
+    before, now = {f.get("path"): f for f in old}, {f.get("path"): f for f in new}
+    for path in sorted(set(before) | set(now), key=str):
+        if path not in now:
+            return f": {path} is no longer an input"
+        if path not in before:
+            return f": {path} is a new input"
+        if before[path] != now[path]:
+            return f": {path} was rewritten since the job started"
+    return ""
+
+
 class Manifest:
     """The manifest of one output directory: `Manifest.open(out, params)` reads it (or starts a new one) and
     refuses one whose parameters differ; `record_part` / `record_run` / `finish` rewrite it atomically."""
@@ -61,9 +74,10 @@ class Manifest:
         old = data.get("params", {})
         diffs = [k for k in sorted(set(old) | set(params)) if old.get(k) != params.get(k)]
         if diffs:
+            changed = _changed_input(old.get("inputs") or [], params.get("inputs") or [])
             raise JobError(
-                f"{out} holds a job with different parameters ({', '.join(diffs)}); use a new --output directory "
-                "or delete this one"
+                f"{out} holds a job with different parameters ({', '.join(diffs)}{changed}); use a new --output "
+                "directory or delete this one"
             )
         return cls(out, data)
 

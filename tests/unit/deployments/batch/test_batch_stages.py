@@ -134,7 +134,7 @@ def test_pixel_rows_from_read_only_shared_memory():
 
 
 def test_parts_and_read_units_follow_row_groups():
-    files = [InputFile("a.parquet", "parquet", 95, 0, [30, 30, 35]), InputFile("b.arrow", "ipc-file", 25, 0)]
+    files = [InputFile("a.parquet", "parquet", 95, 0, 0, [30, 30, 35]), InputFile("b.arrow", "ipc-file", 25, 0, 0)]
     parts = plan_parts(files, 20)
     assert [(p.file, p.start, p.stop) for p in parts] == [
         (0, 0, 20),
