@@ -273,17 +273,19 @@ def _resolve_device(device) -> torch.device:
     return resolved
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+
+
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-    if not isinstance(dtype, str) or dtype not in names:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         shown = repr(dtype) if isinstance(dtype, str) else f"of type {type(dtype).__name__}"
-        raise ConfigError(f"unknown dtype {shown}; expected one of {', '.join(names)}")
-    return names[dtype]
+        raise ConfigError(f"unknown dtype {shown}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def preprocess_config_for(config: VisionConfig, directory: Path | None = None):

@@ -42,6 +42,7 @@ from .files import (
 )
 from .manifest import Manifest, locked, write_part
 from .model_facts import (
+    check_actor_options,
     config_for,
     deepstack_layers,
     gpus_in_cluster,
@@ -197,6 +198,7 @@ def run_job(cfg: JobConfig) -> JobSummary:
     infos, schemas = zip(*(inspect_input(p) for p in paths), strict=True)
     files = list(infos)
     id_column = check_inputs(paths, list(schemas), cfg)
+    check_actor_options(cfg.model, cfg.buckets, cfg.dtype, cfg.attention)
     part_rows = resolve_part_rows(cfg)
     parts = plan_parts(files, part_rows)
     make_output_dir(out)

@@ -114,6 +114,23 @@ def gpus_in_cluster() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
+def check_actor_options(model: str, buckets: Any = None, dtype=None, attention=None) -> None:
+    """What the driver can check of the encoder actors' options before Ray starts: the bucket spec (parsed as the
+    actors parse it), the dtype's and the attention backend's names. Whether the actors' device can run that
+    backend is theirs to say. Raises EncoderError / BucketError naming the option."""
+    from encoder.api import DTYPES
+    from encoder.attention.registry import backend_names
+    from encoder.errors import ConfigError
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    names = ["auto", *backend_names()]
+    if attention is not None and attention not in names:
+        raise ConfigError(f"--attention {attention!r}: expected one of {', '.join(names)}")
+    if buckets is not None:  # a spec's parse does not depend on the device (only the defaults do)
+        actor_plan(model, "cpu", buckets)
+
+
 def plan_for_actors(model: str, gpus: int, buckets: Any = None, dtype=None, attention=None) -> BucketPlan:
     """The plan of the encoder actors of a job with `gpus` GPUs (0: CPU actors)."""
     device = actor_device(gpus)

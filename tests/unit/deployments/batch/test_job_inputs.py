@@ -71,6 +71,19 @@ def test_the_image_column_as_the_id_column_is_refused(tmp_path, capsys):
     assert "--id-column 'image' is the image column" in refused(args, capsys)
 
 
+@pytest.mark.parametrize(
+    "option, says",
+    [(["--dtype", "float64x"], "--dtype 'float64x'"), (["--attention", "nope"], "--attention 'nope'"),
+     (["--buckets", "garbage"], "garbage")],
+)  # fmt: skip
+def test_a_bad_actor_option_is_refused_before_ray_starts(option, says, tmp_path, capsys):
+    """Broken: refused only once Ray had started (~10 s), leaving an output directory holding a lock file."""
+    pq.write_table(pa.table({"id": [0], "image": [png(0)]}), tmp_path / "in.parquet")
+    line = refused(["--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"), *option], capsys)
+    assert says in line, line
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_rewritten_input_is_refused_on_resume(tmp_path, capsys):
     """Broken: the same size and row count passed for the same input, and a resume over shuffled rows wrote some
     ids twice and lost others, exit 0."""
