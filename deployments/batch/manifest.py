@@ -75,9 +75,10 @@ class Manifest:
         diffs = [k for k in sorted(set(old) | set(params)) if old.get(k) != params.get(k)]
         if diffs:
             changed = _changed_input(old.get("inputs") or [], params.get("inputs") or [])
+            named = "; ".join(k + changed if k == "inputs" else k for k in diffs)
             raise JobError(
-                f"{out} holds a job with different parameters ({', '.join(diffs)}{changed}); use a new --output "
-                "directory or delete this one"
+                f"{out} holds a job with different parameters ({named}); use a new --output directory or delete "
+                "this one"
             )
         return cls(out, data)
 

@@ -25,7 +25,8 @@ class EmbedOptions(BaseModel):
 
     model: str = Field("tiny", description="Preset name or local Hugging Face checkpoint directory.")
     image_column: str = "image"
-    pooling: str | None = Field("mean", description="None: the model's default embedding ('model' for CLIP / SigLIP).")
+    # None, as the CLI and the HTTP API default: the model's own embedding ('model' for CLIP / SigLIP, else 'mean')
+    pooling: str | None = Field(None, description="None: the model's default embedding ('model' for CLIP / SigLIP).")
     batch_size: int | None = Field(None, ge=1, description="Rows per encoder batch; None: from the typical patches.")
     typical_patches: int | None = Field(None, ge=1, description="Patches of a typical image; None: sampled.")
     num_gpus: int | None = Field(None, ge=0, description="GPU encoder actors, one GPU each; None: every GPU.")

@@ -91,7 +91,7 @@ def test_a_rewritten_input_is_refused_on_resume(tmp_path, capsys):
     table = pa.table({"id": list(range(40)), "image": [png(i % 4) for i in range(40)]})
     with pa.ipc.new_file(str(path), table.schema) as writer:
         writer.write_table(table)
-    cfg = JobConfig(input=[str(path)], output=str(out), part_rows=10)
+    cfg = JobConfig(input=[str(path)], output=str(out), part_rows=10, pooling="mean")  # as run_job resolves it
     out.mkdir()
     Manifest.open(out, job_params(cfg, [inspect_input(path)[0]], 10)).write()  # a first run, killed after it began
     before = path.stat()
@@ -132,3 +132,15 @@ def test_gpus_its_own_ray_cannot_have_are_refused_instead_of_waited_for(monkeypa
     cluster = cfg.model_copy(update={"address": "ray://head:10001", "batch_size": 8})
     options, gpus = PartsRunner(cluster, [], None, None, None)._options([], 10)
     assert gpus == 1 and options.num_gpus == 1
+
+
+def test_embed_dataset_defaults_to_the_pooling_of_the_cli_and_the_service():
+    """Broken: `embed_dataset(ds, model="tiny-clip")` gave the mean of the tokens where the CLI and the HTTP API
+    give CLIP's own image embedding."""
+    from deployments.batch.__main__ import parse_args
+    from deployments.batch.model_facts import resolve_pooling
+    from deployments.batch.options import EmbedOptions
+
+    for model, own in (("tiny", "mean"), ("tiny-clip", "model")):
+        cli = parse_args(["--input", "x", "--output", "y", "--model", model]).pooling
+        assert resolve_pooling(EmbedOptions.of(model=model).pooling, model) == resolve_pooling(cli, model) == own
