@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -113,6 +114,9 @@ class JobSummary:
         return "\n".join(lines)
 
 
+PART_NAME = re.compile(r"part-\d{6}\.parquet")  # what `files.Part.name` writes
+
+
 def job_params(cfg: JobConfig, files: list[InputFile], part_rows: int) -> dict:
     """What determines the output; a re-run must match these exactly."""
     model = str(Path(cfg.model).resolve()) if Path(cfg.model).is_dir() else cfg.model
@@ -124,6 +128,7 @@ def job_params(cfg: JobConfig, files: list[InputFile], part_rows: int) -> dict:
         "dtype": cfg.dtype,
         "attention": cfg.attention,
         "part_rows": part_rows,
+        "max_image_bytes": cfg.max_image_bytes,  # which rows are error rows
     }
 
 
@@ -192,9 +197,12 @@ def run_job(cfg: JobConfig) -> JobSummary:
         raise JobError(str(exc)) from None
     preprocess_config_for(cfg.model)
     out = Path(cfg.output).expanduser().resolve()
-    paths = [p for p in discover(cfg.input) if out not in p.parents]  # never our own parts as input
+    paths = [p for p in discover(cfg.input) if not (p.parent == out and PART_NAME.fullmatch(p.name))]
     if not paths:
         raise JobError("no input files (the output directory's own parts are not inputs)")
+    inside = [p for p in paths if out in p.parents]
+    if inside:  # `pyarrow.parquet.read_table(out)` would read it with the parts
+        raise JobError(f"--output {out}: holds the input {inside[0]}; give the output a directory of its own")
     infos, schemas = zip(*(inspect_input(p) for p in paths), strict=True)
     files = list(infos)
     id_column = check_inputs(paths, list(schemas), cfg)

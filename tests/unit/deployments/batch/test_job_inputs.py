@@ -144,3 +144,11 @@ def test_embed_dataset_defaults_to_the_pooling_of_the_cli_and_the_service():
     for model, own in (("tiny", "mean"), ("tiny-clip", "model")):
         cli = parse_args(["--input", "x", "--output", "y", "--model", model]).pooling
         assert resolve_pooling(EmbedOptions.of(model=model).pooling, model) == resolve_pooling(cli, model) == own
+
+
+def test_an_output_directory_holding_an_input_is_refused(tmp_path, capsys):
+    """Broken: `--output` the input's own directory said "no input files (the output directory's own parts are not
+    inputs)"; and an output directory beside its inputs would be read with them by `read_table(DIR)`."""
+    pq.write_table(pa.table({"id": [0], "image": [png(0)]}), tmp_path / "in.parquet")
+    line = refused(["--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path)], capsys)
+    assert f"--output {tmp_path}: holds the input {tmp_path / 'in.parquet'}" in line, line
