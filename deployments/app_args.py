@@ -75,8 +75,9 @@ class BucketArgs(BaseModel):
 
     buckets: str | None = Field(
         None,
-        description="Bucket budgets, '256,1024,4096' or 'pow2:256-32768'. Default: pow2:256-32768 on CUDA "
-        f"(workspace.tables), {_CPU.buckets!r} on CPU.",
+        description="Bucket budgets, '256,1024,4096' or 'pow2:256-32768'. Default on CUDA: one 224x224 image's "
+        "patches (256; 196 at patch 16) times the powers of two up to 32768 (workspace.tables), "
+        f"{_CPU.buckets!r} on CPU.",
     )
     bucket_max_images: int | None = Field(
         None, gt=0, description="Images per bucket (all buckets); default: the table's rule (1 on CPU)."

@@ -43,6 +43,11 @@ def test_a_given_spec_is_the_table_whatever_the_cap():
 def test_max_images_alone_keeps_the_default_budgets_capped():
     assert engine_table(QWEN, max_images=4).largest == BucketKey(MAX_BUDGET, 4)
     assert engine_table(QWEN, max_images=4, max_graph_tokens=8192).largest == BucketKey(8192, 4)
+    # patch 16 (Qwen3-VL / 3.5): the model's own budgets, 196 * 2^k; broken, they became pow2:256-32768
+    budgets = [key.budget for key in engine_table(QWEN3)]
+    assert budgets[0] == 196 and budgets[-1] == 25088
+    assert engine_table(QWEN3, max_images=8).keys == tuple(BucketKey(b, 8) for b in budgets)
+    assert process_plan(QWEN3, "cuda", bucket_max_images=8).table == engine_table(QWEN3, max_images=8)
 
 
 def test_a_process_gets_its_devices_defaults_where_the_operator_set_none():
