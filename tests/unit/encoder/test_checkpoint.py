@@ -44,8 +44,12 @@ def test_processor_config_json_is_read_first_as_transformers_reads_it(good, tmp_
     d = copy_dir(good, tmp_path / "d")  # its preprocessor_config.json says max_pixels 200704
     published = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056).to_dict()  # Qwen2.5-VL's Hub values
     (d / "processor_config.json").write_text(json.dumps({"image_processor": published, "processor_class": "x"}))
+    # which file transformers reads (its processor class depends on what is installed: torchvision's resizes
+    # differently, so the pixels are compared with the PIL processor of the settings it read)
+    read = AutoImageProcessor.from_pretrained(d).size
+    assert (read["shortest_edge"], read["longest_edge"]) == (3136, 12845056)
     image = random_image("RGB", 1400, 1000, seed=2)  # over 200,704 pixels, under 12,845,056
-    hf = AutoImageProcessor.from_pretrained(d)(image, return_tensors="pt")
+    hf = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056)(image, return_tensors="pt")
     ours = encoder.load(str(d), device="cpu").preprocess([image])
     assert ours.grid_thw.tolist() == hf["image_grid_thw"].tolist() == [[1, 100, 72]]
     torch.testing.assert_close(ours.pixel_values, hf["pixel_values"], rtol=0, atol=1e-5)
