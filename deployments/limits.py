@@ -195,8 +195,10 @@ class Admission:
             raise self.overloaded(self.retry_after_s)
 
     def reserve_bytes(self, ticket: Ticket, n: int) -> None:
-        """Hold `n` more bytes for `ticket`'s request, or raise OverCapacityError (429)."""
-        if self.max_bytes is not None and self.bytes and self.bytes + n > self.max_bytes:
+        """Hold `n` more bytes for `ticket`'s request, or raise OverCapacityError (429). A request alone (no other
+        holds bytes) is always let in: its headers, then its body, in as many parts as they come."""
+        others = self.bytes - ticket.bytes
+        if self.max_bytes is not None and others and self.bytes + n > self.max_bytes:
             self.rejected_bytes += 1
             raise OverCapacityError("bytes of requests", self.bytes, self.max_bytes, self.retry_after_s)
         self.bytes += n
@@ -209,8 +211,10 @@ class Admission:
         ticket.bytes = 0
 
     def reserve_patches(self, ticket: Ticket, n: int) -> None:
-        """Hold `n` patches for `ticket`'s request (decode to answer), or raise OverCapacityError (429)."""
-        if self.max_patches is not None and self.patches and self.patches + n > self.max_patches:
+        """Hold `n` patches for `ticket`'s request (decode to answer), or raise OverCapacityError (429); a request
+        alone is always let in."""
+        others = self.patches - ticket.patches
+        if self.max_patches is not None and others and self.patches + n > self.max_patches:
             self.rejected_patches += 1
             raise OverCapacityError("patches of requests", self.patches, self.max_patches, self.retry_after_s)
         self.patches += n

@@ -34,6 +34,22 @@ def test_byte_and_patch_budgets_refuse_at_once_and_release_together():
     assert gate.snapshot()["rejected_bytes"] == 1 and gate.snapshot()["rejected_patches"] == 1
 
 
+def test_a_request_alone_is_let_in_whatever_its_parts():
+    """Broken: the request's own headers made it "not alone", so with `max_inflight_bytes` under
+    `max_request_bytes` a big request got 429 at its body for ever, nothing else in flight."""
+    gate = Admission(10, max_bytes=100, max_patches=50, retry_after_s=1)
+    a, b = Ticket(), Ticket()
+    for part in (300, 80, 80):  # its headers, then a body in chunks, each over what is left
+        gate.reserve_bytes(a, part)
+    gate.reserve_patches(a, 30)
+    gate.reserve_patches(a, 40)
+    assert (gate.bytes, gate.patches) == (460, 70)
+    with pytest.raises(OverCapacityError):  # another request is not alone
+        gate.reserve_bytes(b, 1)
+    gate.leave(a)
+    gate.reserve_bytes(b, 1)
+
+
 def test_over_capacity_error_survives_pickling():
     e = pickle.loads(pickle.dumps(OverCapacityError("bytes of requests", 7, 5, 1.0)))
     assert (e.status_code, e.retry_after_s, str(e)) == (429, 1.0, OverCapacityError("bytes of requests", 7, 5).message)
