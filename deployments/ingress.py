@@ -135,7 +135,7 @@ class VisionIngress:
     async def docs(self, request: Request) -> Response:
         return self._http.docs(request)
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the probe of some load balancers
     async def health(self) -> JSONResponse:
         """200 while at least one encoder replica can serve ("ok" / "degraded"), else 503. Open without the
         API key (load balancers probe it); it reveals the model name and replica counts."""

@@ -124,6 +124,8 @@ def test_openai_client(app, reference):
 def test_health_and_models(client):
     r = client.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    r = client.head("/health")  # some load balancers probe with HEAD (broken: 405)
+    assert r.status_code == 200 and r.content == b"", r.status_code
     r = client.get("/v1/models")
     assert r.status_code == 200
     assert [(m["id"], m["random_weights"]) for m in r.json()["data"]] == [("tiny", True)]
