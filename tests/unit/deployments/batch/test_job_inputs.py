@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from deployments import ray_compat
 from deployments.batch import job as job_module
 from deployments.batch.__main__ import main
 from deployments.batch.files import JobError, discover, inspect_input
@@ -123,6 +124,7 @@ def test_gpus_its_own_ray_cannot_have_are_refused_instead_of_waited_for(monkeypa
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     monkeypatch.setattr(job_module, "ray_address", lambda given: "local" if given is None else given)
     monkeypatch.setattr(job_module, "start_reaper", lambda: None)
+    monkeypatch.setattr(ray_compat, "quiet_token_auth_notice", lambda: None)  # a process-wide log filter
     monkeypatch.setattr(job_module, "gpus_in_cluster", lambda: 0)
     cfg = JobConfig(input=["x"], output=str(tmp_path), num_gpus=1)
     with pytest.raises(JobError, match=r"--num-gpus 1: this machine has 0 GPU\(s\) for Ray"):
