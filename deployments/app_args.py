@@ -30,6 +30,15 @@ def _queue_limit(v: int) -> int:
     return v
 
 
+def api_key_problem(key: str) -> str | None:
+    """Why `key` cannot be an API key, or None. HTTP carries header values as bytes that Starlette reads as
+    latin-1, so a key outside printable ASCII could never match what a client sends; a space would split it
+    from the 'Bearer' scheme (RFC 6750's tokens are printable ASCII too)."""
+    if not key or any(not ("!" <= ch <= "~") for ch in key):
+        return "api_key must be printable ASCII with no spaces (what an 'Authorization: Bearer <key>' header carries)"
+    return None
+
+
 class ModelArgs(BaseModel):
     """The model and how it is loaded."""
 
@@ -349,6 +358,13 @@ class LimitArgs(BaseModel):
         unknown = [f for f in v if f not in Image.OPEN]
         if not v or unknown:
             raise ValueError(f"image_formats must be non-empty Pillow format names; unknown: {unknown}")
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _printable_key(cls, v: str | None) -> str | None:
+        if v and (why := api_key_problem(v)):  # '' is no key, as unset
+            raise ValueError(why)
         return v
 
     @field_validator("url_allowlist")

@@ -15,6 +15,9 @@ import hmac
 import os
 from urllib.parse import urlsplit
 
+from encoder.errors import ConfigError
+
+from .app_args import api_key_problem
 from .config import API_KEY_ENV, AppArgs
 from .errors import ErrorCode, RequestError
 from .inputs import image_too_large
@@ -26,6 +29,8 @@ class ApiKeyAuth:
     """Checks `Authorization: Bearer <key>` when a key is configured; a no-op otherwise."""
 
     def __init__(self, key: str | None):
+        if key and (why := api_key_problem(key)):  # the environment's key; the argument was checked already
+            raise ConfigError(f"{API_KEY_ENV}: {why}")
         self._key = key.encode() if key else None
 
     @classmethod

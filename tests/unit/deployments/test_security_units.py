@@ -22,7 +22,7 @@ from deployments.limits import Admission, check_content_type, check_request_patc
 from deployments.metrics import rss_bytes
 from deployments.openai_api import error_response, parse_embedding_request
 from deployments.security import ApiKeyAuth, UrlFetcher, host_allowed
-from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError
+from encoder.errors import ConfigError, ImageDecodeError, ImageTooLargeError, InvalidImageError
 from encoder.preprocess import DEFAULT_FORMATS, PreprocessConfig
 from tests.images_util import encode, png_bomb_header, random_array, random_image
 
@@ -204,6 +204,20 @@ def test_api_key_is_compared_in_constant_time_and_401_otherwise():
     ApiKeyAuth(None).check(None)  # no key configured: open
     assert ApiKeyAuth.from_args(AppArgs(), environ={"VISION_API_KEY": "env-key"}).enabled
     assert not ApiKeyAuth.from_args(AppArgs(), environ={}).enabled
+
+
+def test_an_api_key_no_header_can_carry_is_refused_at_configuration():
+    """Broken: a key outside printable ASCII was accepted and then never matched (Starlette reads header bytes as
+    latin-1: a client's UTF-8 `clé` arrives as `clÃ©`), so every request got 401."""
+    sent = "Bearer clé".encode().decode("latin-1")  # what the ingress sees of a UTF-8 client's header
+    for key in ("clé", "two words", "tab\there"):
+        with pytest.raises(ValidationError, match="api_key must be printable ASCII"):
+            AppArgs(api_key=key)
+        with pytest.raises(ConfigError, match="VISION_API_KEY: api_key must be printable ASCII"):
+            ApiKeyAuth.from_args(AppArgs(), environ={"VISION_API_KEY": key})
+    assert sent != "Bearer clé"
+    assert not ApiKeyAuth.from_args(AppArgs(api_key=""), environ={}).enabled  # '' is no key, as before
+    ApiKeyAuth("s3cr3t-!~/+=").check("Bearer s3cr3t-!~/+=")
 
 
 def test_url_policy_allowlist_schemes_and_credentials():
