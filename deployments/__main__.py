@@ -25,6 +25,17 @@ import threading
 from .preflight import USAGE_EXIT, AppConfigError, check_port_free, ray_address
 
 
+def _port(text: str) -> int:
+    """A TCP port for argparse (a bad one: its usage line and exit 2, not a traceback from bind)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is not in 1-65535")
+    return port
+
+
 def key_values(items: list[str]) -> dict[str, str]:
     """`["model=tiny", "num_replicas=2"]` -> a dict of strings (AppArgs coerces them, as for `serve run`)."""
     out = {}
@@ -42,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("args", nargs="*", metavar="KEY=VALUE", help="AppArgs fields, e.g. model=tiny num_replicas=2")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP proxy listens on (0.0.0.0: every one)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
     p.add_argument(
         "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a Ray instance of our own)"
     )

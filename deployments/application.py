@@ -10,11 +10,11 @@ from pydantic import ValidationError
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
-from encoder.errors import RandomWeightsWarning, validation_reason
+from encoder.errors import RandomWeightsWarning, reason, validation_reason
 
 from .config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from .ingress import VisionIngress
-from .preflight import AppConfigError, check_model
+from .preflight import AppConfigError, check_encoder_options, check_model
 from .ray_compat import check_ray, quick_serve_polls
 from .replica import EncoderReplica
 from .shutdown import in_serve_run, install_signal_drain
@@ -39,6 +39,7 @@ def build_app(args: dict | AppArgs | None = None):
     except ValidationError as exc:
         raise AppConfigError(f"invalid application arguments: {validation_reason(exc)}") from None
     source = check_model(a.model, weights_elsewhere=ray.is_initialized())
+    check_encoder_options(source.config, a.buckets, a.dtype, a.attention, a.bucket_max_images)
     gpus = resolve_num_gpus(a)
     # Replicas re-derive the device from the same args, so pin the GPU decision made here.
     a = a.model_copy(update={"num_gpus": gpus})
@@ -49,13 +50,17 @@ def build_app(args: dict | AppArgs | None = None):
     if a.request_router_class:
         router["request_router_class"] = a.request_router_class
         router["request_router_kwargs"] = dict(a.request_router_kwargs)
+    try:  # imports the router class: a bad path fails here, in one line
+        routing = RequestRouterConfig(request_routing_stats_period_s=a.routing_stats_period_s, **router)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        raise AppConfigError(f"request_router_class {a.request_router_class!r}: {reason(exc)}") from None
     encoder = EncoderReplica.options(
         name=ENCODER_NAME,
         num_replicas=a.num_replicas,
         max_ongoing_requests=a.max_ongoing_requests,
         max_queued_requests=a.max_queued_requests,
         ray_actor_options={"num_cpus": a.num_cpus, "num_gpus": gpus},
-        request_router_config=RequestRouterConfig(request_routing_stats_period_s=a.routing_stats_period_s, **router),
+        request_router_config=routing,
         health_check_period_s=a.health_check_period_s,
         health_check_timeout_s=a.health_check_timeout_s,
         graceful_shutdown_wait_loop_s=a.graceful_shutdown_wait_loop_s,

@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from encoder.checkpoint import load_config
+from encoder.config import BUILTIN_ATTENTION, DTYPE_NAMES, VisionConfig
 from encoder.errors import CheckpointError, ConfigError
 from encoder.hub import ResolvedModel, resolve_model
 
@@ -57,6 +58,29 @@ def check_model(model: str, *, weights_elsewhere: bool = False) -> ResolvedModel
         return ResolvedModel(model, "dir", model, config, path=path, weights_on_disk=False)
     except ConfigError as exc:
         raise AppConfigError(str(exc)) from None
+
+
+def check_encoder_options(config: VisionConfig, buckets=None, dtype=None, attention=None, max_images=None) -> None:
+    """What a driver can check of the encoder's options without torch, before replicas or actors start: the
+    dtype's and the attention backends' names and the bucket spec (parsed on the model's merge unit, as the
+    engine parses it). Whether the replicas' device can run a backend is theirs to say. Raises AppConfigError."""
+    import sys
+
+    from workspace.buckets import BucketError, BucketTable
+
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise AppConfigError(f"dtype {dtype!r}: expected one of {', '.join(DTYPE_NAMES)}")
+    registry = sys.modules.get("encoder.attention.registry")  # loaded: backends registered here count too
+    names = ["auto", *(registry.backend_names() if registry else BUILTIN_ATTENTION)]
+    given = attention.values() if isinstance(attention, dict) else [attention]
+    for name in given:
+        if name is not None and name not in names:
+            raise AppConfigError(f"attention {name!r}: expected one of {', '.join(names)}")
+    if isinstance(buckets, str):
+        try:
+            BucketTable.parse(buckets, granule=config.merge_unit, max_images=max_images)
+        except BucketError as exc:
+            raise AppConfigError(f"buckets {buckets!r}: {exc}") from None
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from .attention import resolve_attention
 from .checkpoint import load_weights, read_image_processor
-from .config import ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
+from .config import DTYPE_NAMES, ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
 from .errors import ConfigError, InvalidArgumentError, RandomWeightsWarning
 from .geometry import frames_of
 from .hub import ResolvedModel, resolve_model
@@ -273,8 +273,8 @@ def _resolve_device(device) -> torch.device:
     return resolved
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float16,
+                                torch.float16), strict=True))  # fmt: skip
 
 
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:

@@ -12,6 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError, reason, validation_reason
 
+# The names `encoder.load(dtype=...)` takes (`api.DTYPES` maps them to torch dtypes) and the attention backends
+# built in (`attention.registry`; a unit test keeps both lists equal to theirs): here, without torch, so a
+# driver can check a service's arguments before anything starts.
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+BUILTIN_ATTENTION = ("sdpa", "triton", "torch_varlen", "flash_attn", "fa3", "fa4")
+
 
 class _QwenVisionBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -115,20 +115,11 @@ def gpus_in_cluster() -> int:
 
 
 def check_actor_options(model: str, buckets: Any = None, dtype=None, attention=None) -> None:
-    """What the driver can check of the encoder actors' options before Ray starts: the bucket spec (parsed as the
-    actors parse it), the dtype's and the attention backend's names. Whether the actors' device can run that
-    backend is theirs to say. Raises EncoderError / BucketError naming the option."""
-    from encoder.api import DTYPES
-    from encoder.attention.registry import backend_names
-    from encoder.errors import ConfigError
+    """The encoder actors' options checked on the driver before Ray starts (`preflight.check_encoder_options`,
+    what a service's `build_app` checks)."""
+    from ..preflight import check_encoder_options
 
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    names = ["auto", *backend_names()]
-    if attention is not None and attention not in names:
-        raise ConfigError(f"--attention {attention!r}: expected one of {', '.join(names)}")
-    if buckets is not None:  # a spec's parse does not depend on the device (only the defaults do)
-        actor_plan(model, "cpu", buckets)
+    check_encoder_options(config_for(model), buckets, dtype, attention)
 
 
 def plan_for_actors(model: str, gpus: int, buckets: Any = None, dtype=None, attention=None) -> BucketPlan:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import click
 import pytest
@@ -56,6 +58,39 @@ def test_build_app_refuses_bad_arguments_in_one_line():
     assert "num_replicas" in text and "nmu_gpus" in text
 
 
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ({"dtype": "bf"}, "dtype 'bf': expected one of float32"),
+        ({"attention": "bogus"}, "attention 'bogus': expected one of auto, sdpa"),
+        ({"buckets": "7"}, "buckets '7': "),  # not a multiple of the model's merge unit (4)
+        ({"request_router_class": "no.such:Router"}, "request_router_class 'no.such:Router': "),
+        ({"request_router_class": "deployments.router:NoSuch"}, "request_router_class 'deployments.router:NoSuch'"),
+    ],
+)
+def test_build_app_refuses_what_would_fail_in_every_replica_in_one_line(args, expected):
+    """Broken: these passed `build_app`, then every replica failed at load and retried, with tracebacks from
+    Serve's controller, and the launcher exited 1 after ~20 s (or a raw ModuleNotFoundError for the router)."""
+    with pytest.raises(AppConfigError) as info:
+        build_app({"model": "tiny", **args})
+    assert expected in one_line(info), one_line(info)
+
+
+def test_the_drivers_lists_of_names_are_the_encoders():
+    from encoder.api import DTYPES
+    from encoder.attention.registry import _REGISTRY
+    from encoder.config import BUILTIN_ATTENTION, DTYPE_NAMES
+
+    assert tuple(DTYPES) == DTYPE_NAMES and tuple(_REGISTRY) == BUILTIN_ATTENTION
+    # so the check needs no torch (the drivers import it only when they need it: tests/unit/test_architecture.py)
+    code = (
+        "import sys\nfrom deployments.preflight import check_encoder_options\nfrom encoder.presets import PRESETS\n"
+        "check_encoder_options(PRESETS['tiny'], 'pow2:256-1024', 'bf16', 'sdpa')\nprint('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
 def test_hub_id_is_checked_offline_from_the_cache(monkeypatch, tmp_path, checkpoint):
     cache = use_cache(monkeypatch, tmp_path / "hf_home", offline=True)
     with pytest.raises(AppConfigError, match="HF_HUB_OFFLINE"):
@@ -97,6 +132,16 @@ def test_a_taken_port_is_refused_even_when_shared_with_so_reuseport():
             check_port_free("127.0.0.1", shared.getsockname()[1])
         port = shared.getsockname()[1]
     check_port_free("127.0.0.1", port)  # free again
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "0", "http"])
+def test_a_port_out_of_range_is_a_usage_error(port, capsys):
+    """Broken: `--port 70000` reached bind() and died with OverflowError's traceback, exit 1."""
+    from deployments.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--port", port])
+    assert info.value.code == 2 and "argument --port" in capsys.readouterr().err
 
 
 def test_launcher_arguments_are_key_values():

@@ -74,8 +74,8 @@ def test_the_image_column_as_the_id_column_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "option, says",
-    [(["--dtype", "float64x"], "--dtype 'float64x'"), (["--attention", "nope"], "--attention 'nope'"),
-     (["--buckets", "garbage"], "garbage")],
+    [(["--dtype", "float64x"], "dtype 'float64x'"), (["--attention", "nope"], "attention 'nope'"),
+     (["--buckets", "garbage"], "buckets 'garbage'"), (["--buckets", "7"], "multiple of")],
 )  # fmt: skip
 def test_a_bad_actor_option_is_refused_before_ray_starts(option, says, tmp_path, capsys):
     """Broken: refused only once Ray had started (~10 s), leaving an output directory holding a lock file."""
