@@ -87,31 +87,46 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from .ray_compat import quiet_serve_noise, quiet_serve_shutdown_notice, quiet_token_auth_notice
+    from .ray_compat import (
+        no_driver_stack_dump,
+        quiet_serve_noise,
+        quiet_serve_shutdown_notice,
+        quiet_token_auth_notice,
+    )
 
     stop = threading.Event()
     quiet_token_auth_notice()  # token authentication stays on; Ray's notice of it at every start goes
     quiet_serve_shutdown_notice()  # and its "controller failed" line at every stop
     quiet_serve_noise()  # and serve.run's "new http_options will not be applied" after our serve.start applied them
-    try:
-        ray.init(address=address, namespace="serve")
-    except KeyboardInterrupt:
-        return 0
+    no_driver_stack_dump()  # a SIGTERM while Ray starts: no absl stack dump and abort (exit 134)
 
-    # after ray.init: Ray's core worker installs a SIGTERM handler that dumps a stack and aborts; ours
-    # replaces it and the main thread stops Serve and Ray in order
+    # The main thread stops Serve and Ray in order on the first SIGINT / SIGTERM. Installed before ray.init, so
+    # a signal while Ray starts is kept (it was lost: the service then started and ran), and again after it:
+    # Ray's core worker installs its own SIGTERM handler (sys.exit(15)).
     def on_signal(*_):
         if stop.is_set():  # a second signal: skip the drain
             raise KeyboardInterrupt
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    deployed = False
+    def handle_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    handle_signals()
+    try:
+        ray.init(address=address, namespace="serve")
+    except KeyboardInterrupt:
+        return 0
+    handle_signals()
+    started = deployed = False
     try:
         # Serve's system actors log a dozen INFO lines per start and stop (endpoints, replicas added and stopped, a
         # router object's repr) around the app's own summary; the deployments keep their own logging_config
-        serve.start(http_options={"host": ns.host, "port": ns.port}, logging_config={"log_level": ns.serve_log_level})
+        if not stop.is_set():
+            serve.start(
+                http_options={"host": ns.host, "port": ns.port}, logging_config={"log_level": ns.serve_log_level}
+            )
+            started = True
         if not stop.is_set():
             serve.run(app, name=ns.name, route_prefix="/", blocking=False)
             deployed = True
@@ -124,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         try:
-            if deployed or address != "local":  # a cluster outlives us: remove the application from it
+            if deployed or (started and address != "local"):  # a cluster outlives us: remove the application
                 serve.shutdown()
         except KeyboardInterrupt:
             pass

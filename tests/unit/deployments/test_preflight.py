@@ -18,6 +18,7 @@ from deployments.preflight import USAGE_EXIT, AppConfigError, check_model, check
 from encoder.errors import ConfigError
 from tests.hf_models import write_checkpoint
 from tests.hub_cache import populate, use_cache
+from tests.serve_fixtures import free_port
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +189,36 @@ def test_other_schema_errors_keep_their_field_next_to_the_input_sentence():
         parse_embedding_request(b'{"input": [], "pooling": "max"}')
     text = str(info.value)
     assert "input is an empty list" in text and "pooling: Input should be" in text and "list[str]" not in text
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_ray_starts_stops_the_launcher_once_ray_is_up(sig, monkeypatch):
+    """Broken: a Ctrl-C that came while `ray.init` started Ray was lost (the service started and ran until a second
+    one), and a SIGTERM there ended it with status 15 or 134. `ray.init` here is a stand-in that gets the signal
+    while it runs; the launcher must then start nothing more and shut Ray down, exit 0."""
+    import os
+    import signal as signals
+
+    import ray
+    from ray import serve
+
+    from deployments import __main__ as launcher
+
+    calls, saved = [], {s: signals.getsignal(s) for s in (signals.SIGINT, signals.SIGTERM)}
+
+    def init(**kwargs):
+        calls.append("ray.init")
+        os.kill(os.getpid(), getattr(signals, sig))  # delivered to the handler the launcher installed
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append("serve.start"))
+    monkeypatch.setattr(serve, "run", lambda *a, **kw: calls.append("serve.run"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(launcher, "ray_address", lambda given: "local")
+    try:
+        assert launcher.main(["--port", str(free_port()), "model=tiny"]) == 0
+    finally:
+        for s, handler in saved.items():
+            signals.signal(s, handler)
+    assert calls == ["ray.init", "ray.shutdown"]
