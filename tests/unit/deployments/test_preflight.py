@@ -216,6 +216,10 @@ def test_a_signal_while_ray_starts_stops_the_launcher_once_ray_is_up(sig, monkey
     monkeypatch.setattr(serve, "run", lambda *a, **kw: calls.append("serve.run"))
     monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
     monkeypatch.setattr(launcher, "ray_address", lambda given: "local")
+    from deployments import ray_compat  # its log filters and Ray's flag are process-wide: kept out of this process
+
+    for name in ("quiet_token_auth_notice", "quiet_serve_shutdown_notice", "quiet_serve_noise", "no_driver_stack_dump"):
+        monkeypatch.setattr(ray_compat, name, lambda: None)
     try:
         assert launcher.main(["--port", str(free_port()), "model=tiny"]) == 0
     finally:
