@@ -12,9 +12,9 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from encoder.errors import InvalidArgumentError, RandomWeightsWarning
+from encoder.errors import RandomWeightsWarning
 
-from .decode import decode_batch, image_column_kind, typical_patches_of
+from .decode import check_input_schema, decode_batch, image_column_kind, typical_patches_of
 from .model_facts import (
     gpus_in_cluster,
     plan_for_actors,
@@ -68,8 +68,8 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     if resolved(model).random_weights:  # here, once, at the caller's line; the actors keep quiet about it
         RandomWeightsWarning.warn(model, stacklevel=2)
     schema = ds.schema(fetch_if_missing=False)
-    if schema is not None and image_column not in schema.names:
-        raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
+    if schema is not None:  # known without reading (Parquet footers): the CLI's checks, before any work
+        check_input_schema(schema, image_column)
     gpus = gpus_in_cluster() if o.num_gpus is None else o.num_gpus
     plan = plan_for_actors(model, gpus, o.buckets, o.dtype, o.attention)
     root = str(Path.cwd()) if o.path_root is None else str(o.path_root)

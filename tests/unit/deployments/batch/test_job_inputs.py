@@ -154,3 +154,38 @@ def test_an_output_directory_holding_an_input_is_refused(tmp_path, capsys):
     pq.write_table(pa.table({"id": [0], "image": [png(0)]}), tmp_path / "in.parquet")
     line = refused(["--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path)], capsys)
     assert f"--output {tmp_path}: holds the input {tmp_path / 'in.parquet'}" in line, line
+
+
+class _SchemaOnly:
+    """A dataset whose schema is known without running anything (as `ray.data.read_parquet`'s is); anything
+    beyond `schema()` means `embed_dataset` went on past its checks."""
+
+    def __init__(self, schema: pa.Schema):
+        self._schema = schema
+
+    def schema(self, fetch_if_missing: bool = True) -> pa.Schema:
+        return self._schema
+
+    def __getattr__(self, name):
+        raise AssertionError(f"embed_dataset used ds.{name} before refusing the input")
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (pa.schema([("id", pa.int64()), ("image", pa.int64())]), "image column has type int64; expected binary"),
+        (pa.schema([("image", pa.binary()), ("embedding", pa.string())]), "input column(s) embedding would be"),
+        (pa.schema([("image", pa.binary()), ("_ve_pixels", pa.binary())]), "input column(s) _ve_pixels would be"),
+        (pa.schema([("picture", pa.binary())]), "no column 'image' in the input; columns: picture"),
+    ],
+)
+def test_embed_dataset_refuses_a_bad_schema_before_any_work(schema, message):
+    """Broken: `embed_dataset` checked only that the image column existed. An int column failed in every decode
+    task once the job ran; an input column named `embedding` or `error` was silently overwritten by the output
+    (the CLI refused both before Ray started)."""
+    from deployments.batch import embed_dataset
+    from deployments.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as refusal:
+        embed_dataset(_SchemaOnly(schema), model="tiny", num_gpus=0)
+    assert message in str(refusal.value), refusal.value
