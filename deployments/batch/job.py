@@ -212,6 +212,7 @@ def run_job(cfg: JobConfig) -> JobSummary:
     make_output_dir(out)
     with locked(out):
         manifest = Manifest.open(out, job_params(cfg, files, part_rows))
+        cfg = cfg.model_copy(update={"path_root": manifest.path_root(str(Path(cfg.path_root or ".").resolve()))})
         done = manifest.done()
         todo = [p for p in parts if p.name not in done]
         summary = JobSummary(str(out), sum(f.num_rows for f in files), len(parts), len(done))
@@ -287,7 +288,7 @@ class PartsRunner:
         if batch_size is None:
             values, typ = head_values(self.files[todo[0].file], cfg.image_column)
             pp = preprocess_config_for(cfg.model)
-            typical = typical_patches_of(values, image_column_kind(typ), pp, str(Path.cwd()))
+            typical = typical_patches_of(values, image_column_kind(typ), pp, cfg.path_root)
             plan = plan_for_actors(cfg.model, gpus, cfg.buckets, cfg.dtype, cfg.attention)
             batch_size = rows_per_batch(plan, typical)
         actors = {"num_gpus": actors_for(gpus, rows, batch_size)}

@@ -82,6 +82,12 @@ class Manifest:
             )
         return cls(out, data)
 
+    def path_root(self, default: str) -> str:
+        """Where the job's relative image paths resolve: the directory the job started with (`default` for a new
+        job, or a manifest written before this was recorded). A resume from another working directory still reads
+        the images the first run read, so its parts match the ones already written."""
+        return self.data.setdefault("path_root", default)
+
     def done(self) -> set[str]:
         """Names of the recorded parts whose files exist."""
         return {name for name in self.data["parts"] if (self.out / name).exists()}

@@ -4,6 +4,7 @@ Ray instance cannot have. Each refusal is exit status 2 with one line naming the
 
 from __future__ import annotations
 
+import json
 import os
 
 import pyarrow as pa
@@ -189,3 +190,22 @@ def test_embed_dataset_refuses_a_bad_schema_before_any_work(schema, message):
     with pytest.raises(InvalidArgumentError) as refusal:
         embed_dataset(_SchemaOnly(schema), model="tiny", num_gpus=0)
     assert message in str(refusal.value), refusal.value
+
+
+def test_a_resume_from_another_directory_resolves_relative_paths_as_the_first_run_did(tmp_path, monkeypatch):
+    """Broken: relative image paths resolved against each run's working directory, so a resume started elsewhere
+    read other files (or none: every row an error) for the parts still to do, beside parts written from the
+    first directory's images."""
+    first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    first.mkdir()
+    elsewhere.mkdir()
+    (first / "a.png").write_bytes(png(1))
+    pq.write_table(pa.table({"id": [0], "image": ["a.png"]}), tmp_path / "in.parquet")
+    roots: list[str | None] = []
+    monkeypatch.setattr(PartsRunner, "run", lambda self, todo: roots.append(self.cfg.path_root))
+    args = ["--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"), "--no-progress"]
+    for cwd in (first, elsewhere):  # the patched run writes no part: the second run resumes the job
+        monkeypatch.chdir(cwd)
+        main(args)
+    assert roots == [str(first), str(first)]
+    assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["path_root"] == str(first)
