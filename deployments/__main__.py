@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         values = key_values(ns.args)
         app = build_app(values)  # checks the arguments and the model, before Ray starts
-        request_timeout_s = AppArgs.model_validate(values).request_timeout_s
+        app_args = AppArgs.model_validate(values)
         if address == "local":  # on a cluster the proxies listen on its nodes, not necessarily here
             check_port_free(ns.host, ns.port)
     except AppConfigError as exc:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vision service ready at http://{host}:{ns.port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
         stop.wait()
         if deployed:  # Serve's shutdown drops what is in flight: finish the admitted requests first
-            drain(drain_timeout(request_timeout_s))
+            drain(drain_timeout(app_args.request_timeout_s, app_args.drain_grace_s))
     except KeyboardInterrupt:
         pass
     finally:

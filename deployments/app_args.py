@@ -254,6 +254,13 @@ class IngressArgs(BaseModel):
     request_timeout_s: float = Field(
         60.0, gt=0, description="Per request, body read to response; past it 504 (408 if the body was still coming)."
     )
+    drain_grace_s: float = Field(
+        5.0,
+        ge=0,
+        le=600,
+        description="Shutdown: how long an ingress replica still admits new requests after /health turns 503, for "
+        "requests on their way and load balancers that poll /health less often (1 s at most where it was idle).",
+    )
     encoder_retries: int = Field(
         3, ge=0, description="Retries of an encoder call whose replica died or is unavailable (encoding is idempotent)."
     )

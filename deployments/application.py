@@ -82,7 +82,7 @@ def build_app(args: dict | AppArgs | None = None):
         logging_config=logging_config,
     )
     if in_serve_run():  # Ctrl-C / SIGTERM of `serve run`: drain first (Serve's shutdown drops in-flight requests)
-        install_signal_drain(a.request_timeout_s)
+        install_signal_drain(a.request_timeout_s, a.drain_grace_s)
     logger.info(
         "vision app: model=%s (%s%s), %d encoder replica(s) x %g GPU / %g CPU, %d ingress replica(s), router=%s",
         a.model, source.kind, ", RANDOM weights" if source.random_weights else "", a.num_replicas, gpus,

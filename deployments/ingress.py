@@ -67,7 +67,9 @@ class VisionIngress:
         )  # fmt: skip
         replica_id = serve.get_replica_context().replica_id.unique_id
         # the drain waits for admitted requests and for bodies still arriving (they hold bytes, not a slot)
-        self._drain = DrainWatch(replica_id, lambda: self._admission.inflight + (self._admission.bytes > 0))
+        self._drain = DrainWatch(
+            replica_id, lambda: self._admission.inflight + (self._admission.bytes > 0), grace_s=a.drain_grace_s
+        )
         parts = (self._client, decoder, self._admission)
         self._http = HttpRoutes(a, *parts, auth, self.telemetry, self._pool, self._drain)
         self._handle = HandleCalls(a, *parts, self.telemetry, self._drain)

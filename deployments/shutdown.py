@@ -9,10 +9,11 @@ is asked to shut down:
 1. The stopping process creates the named actor `DrainSwitch` (`SWITCH_NAME` in namespace `NAMESPACE`);
    its existence is the signal. It is owned by that process, so it goes away with it.
 2. Each ingress replica's `DrainWatch` looks the switch up every `POLL_S` (a thread: no event-loop work).
-   Once it exists, `/health` answers 503 at once (load balancers stop sending), and `GRACE_S` later
-   admission ends: new requests get 503 `shutting_down` with `Retry-After`. The grace lets requests a client
-   sent before the signal, still on their way through the proxy, be admitted rather than refused. A replica
-   that was idle (nothing in flight, no request in the last `GRACE_S`) ends admission after `QUIET_GRACE_S`.
+   Once it exists, `/health` answers 503 at once (load balancers stop sending), and `drain_grace_s`
+   (`GRACE_S` by default) later admission ends: new requests get 503 `shutting_down` with `Retry-After`.
+   The grace lets requests a client sent before the signal, still on their way through the proxy, be
+   admitted rather than refused. A replica that was idle (nothing in flight, no request in the last grace)
+   ends admission after `QUIET_GRACE_S` (or the grace, if shorter).
 3. When the replica has nothing in flight it reports to the switch; the stopping process waits until every
    running ingress replica has reported, at most `drain_timeout(args)` (an admitted request ends within
    `request_timeout_s`, answered 504 at worst), then calls `serve.shutdown()`.
@@ -153,9 +154,10 @@ class DrainWatch:
 # ------------------------------------------------------------------------------------------ stopping side
 
 
-def drain_timeout(request_timeout_s: float) -> float:
-    """The longest a drain waits: an admitted request is answered within `request_timeout_s` (504 at worst)."""
-    return request_timeout_s + GRACE_S + SHUTDOWN_MARGIN_S
+def drain_timeout(request_timeout_s: float, grace_s: float = GRACE_S) -> float:
+    """The longest a drain waits: admission ends `grace_s` (`drain_grace_s`) after the switch is seen, and an
+    admitted request is answered within `request_timeout_s` (504 at worst)."""
+    return request_timeout_s + grace_s + SHUTDOWN_MARGIN_S
 
 
 def _ingress_replicas() -> int:
@@ -206,7 +208,7 @@ def in_serve_run() -> bool:
     return "ray.serve.scripts" in sys.modules and threading.current_thread() is threading.main_thread()
 
 
-def install_signal_drain(request_timeout_s: float) -> None:
+def install_signal_drain(request_timeout_s: float, grace_s: float = GRACE_S) -> None:
     """Drain before `serve run` shuts Serve down, on SIGINT and on SIGTERM.
 
     SIGINT: our handler drains, then raises KeyboardInterrupt, on which `serve run` calls `serve.shutdown()`
@@ -221,7 +223,7 @@ def install_signal_drain(request_timeout_s: float) -> None:
         state["drained"] = True
         logger.warning("%s: draining before Serve shuts down", why)
         try:
-            drain(drain_timeout(request_timeout_s))
+            drain(drain_timeout(request_timeout_s, grace_s))
         except Exception as e:  # noqa: BLE001 - a failed drain must not stop the shutdown itself
             logger.warning("drain failed (%s: %s); shutting down", type(e).__name__, e)
 
@@ -265,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m deployments.shutdown [--address ADDR] [--timeout S] [--no-shutdown]`."""
     p = argparse.ArgumentParser(prog="python -m deployments.shutdown", description=__doc__.split("\n\n")[0])
     p.add_argument("--address", default="auto", help="Ray cluster address (default: the running one)")
-    p.add_argument("--timeout", type=float, default=drain_timeout(60.0), help="longest drain, seconds")
+    p.add_argument(
+        "--timeout", type=float, default=drain_timeout(60.0), help="longest drain, seconds (the default app's)"
+    )
     p.add_argument("--no-shutdown", action="store_true", help="drain only; leave Serve running (refusing)")
     ns = p.parse_args(argv)
     from ray import serve

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from deployments.errors import ErrorCode, RequestError, shown
 from deployments.openai_api import error_response
 from deployments.readiness import encoder_ready
-from deployments.shutdown import GRACE_S, QUIET_GRACE_S, DrainWatch, drain_timeout
+from deployments.shutdown import GRACE_S, QUIET_GRACE_S, SHUTDOWN_MARGIN_S, DrainWatch, drain_timeout
 
 
 def status(running: int, state: str = "HEALTHY"):
@@ -77,7 +77,8 @@ def test_drain_watch_admits_only_within_the_grace():
     finally:
         for w in watches:
             w.stop()
-    assert drain_timeout(60) > 60
+    assert drain_timeout(60) == 60 + GRACE_S + SHUTDOWN_MARGIN_S
+    assert drain_timeout(60, grace_s=20) == 80 + SHUTDOWN_MARGIN_S  # a longer grace: a longer drain
 
 
 def test_a_burst_of_health_probes_costs_one_lookup(monkeypatch):
