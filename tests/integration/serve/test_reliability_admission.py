@@ -1,12 +1,12 @@
 """Admission by cost and slow bodies on CPU Ray (issue 17, cases 3 and 4).
 
 One ingress admitting 64 requests at once (scaled down from 384) with the default byte budget (256 MiB
-of request bytes, headers included) and the default body deadline (10 s). Memory: 16 clients
-send valid 48 MiB bodies at once (twelve JPEGs padded to 3 MiB each with application segments, which
-decode as fast as the 224x224 picture inside them); the ingress admits what its byte budget holds, refuses
-the rest at once with 429 + Retry-After, and its resident memory stays bounded. Slow bodies: 500
-connections trickle their bodies one byte every 5 s, as in the issue (more than the ingress admits); they
-hold no admission slot while their bodies arrive and are answered 408 at their deadline, so requests of a
+of request bytes, headers included) and a body deadline of 5 s (the default is 10 s; half the wait here).
+Memory: 16 clients send valid 48 MiB bodies at once (twelve JPEGs padded to 3 MiB each with application
+segments, which decode as fast as the 224x224 picture inside them); the ingress admits what its byte budget
+holds, refuses the rest at once with 429 + Retry-After, and its resident memory stays bounded. Slow bodies:
+500 connections trickle their bodies one byte every 5 s, as in the issue (more than the ingress admits);
+they hold no admission slot while their bodies arrive and are answered 408 at their deadline, so requests of a
 well-behaved client (one a second) keep being answered.
 """
 
@@ -37,6 +37,7 @@ ARGS = {
     "num_replicas": 1,
     "ingress_max_inflight_requests": 64,
     "decode_processes": 2,
+    "body_timeout_s": 5.0,
 }
 MiB = 2**20
 
@@ -169,7 +170,7 @@ def test_slow_bodies_do_not_lock_out_other_clients(app):
         wait_for(lambda: ingress(app)["inflight_bytes"] > 300 * 100_000, timeout_s=60, what="500 slow bodies")
         assert ingress(app)["inflight"] < 64  # they hold bytes, not admission slots
         with httpx.Client(base_url=app.base_url, timeout=30) as c:
-            # one request a second until the slow bodies' 10 s deadline has cut some off (408), at most 14 s
+            # one request a second until the slow bodies' 5 s deadline has cut some off (408), at most 14 s
             until = time.monotonic() + 14
             while time.monotonic() < until and not (counts["408"] and len(results) >= 5):
                 started = time.monotonic()
