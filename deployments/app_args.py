@@ -50,7 +50,9 @@ class ModelArgs(BaseModel):
         "org/name[@revision]; checked by build_app before any replica starts.",
     )
     served_model_name: str | None = Field(
-        None, description="Name in /v1/models and the accepted `model` of requests; default: `model`."
+        None,
+        description="Name in /v1/models and the accepted `model` of requests; default: a checkpoint directory's "
+        "name, a Hub id without its @revision, or the preset's name.",
     )
     dtype: str | None = Field(None, description="float32 | bfloat16 | float16; default bf16 on CUDA, fp32 on CPU.")
     attention: str | dict[str, str] | None = Field(
@@ -66,10 +68,14 @@ class ModelArgs(BaseModel):
 
     @property
     def model_name(self) -> str:
-        """The name clients see (`/v1/models`, `model` of responses)."""
+        """The name clients see (`/v1/models`, `model` of responses): `served_model_name`, else a checkpoint
+        directory's name, a Hub id without its `@revision`, or the preset's name. `build_app` pins it, so that
+        replicas on nodes without the directory serve the same name."""
         if self.served_model_name:
             return self.served_model_name
-        return os.path.basename(os.path.normpath(self.model)) if os.path.isdir(self.model) else self.model
+        if os.path.isdir(self.model):
+            return os.path.basename(os.path.normpath(self.model))
+        return self.model.split("@", 1)[0] if self.model not in PRESETS else self.model
 
     @property
     def random_weights(self) -> bool:

@@ -41,8 +41,9 @@ def build_app(args: dict | AppArgs | None = None):
     source = check_model(a.model, weights_elsewhere=ray.is_initialized())
     check_encoder_options(source.config, a.buckets, a.dtype, a.attention, a.bucket_max_images)
     gpus = resolve_num_gpus(a)
-    # Replicas re-derive the device from the same args, so pin the GPU decision made here.
-    a = a.model_copy(update={"num_gpus": gpus})
+    # Replicas re-derive the device from the same args, so pin the GPU decision made here; and the served name,
+    # which for a checkpoint directory depends on the directory being where the ingress runs.
+    a = a.model_copy(update={"num_gpus": gpus, "served_model_name": a.model_name})
     plain = a.model_dump(mode="json")
     # Serve logs two INFO lines per request (proxy/ingress and encoder) unless access logs are off
     logging_config = LoggingConfig(enable_access_log=a.access_log)

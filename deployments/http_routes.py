@@ -144,10 +144,7 @@ class HttpRoutes:
     ) -> tuple[bytes, int]:
         a = self.args
         if body.model is not None and body.model != self._model_name:
-            raise RequestError(
-                f"model {shown(body.model)} is not served here; available: {self._model_name!r}",
-                ErrorCode.MODEL_NOT_FOUND, "model",
-            )  # fmt: skip
+            raise self._unknown_model(body.model)
         if len(inputs) > a.max_request_images:
             raise RequestError(
                 f"{len(inputs)} images in one request; the limit is {a.max_request_images}", ErrorCode.TOO_MANY_IMAGES
@@ -210,24 +207,36 @@ class HttpRoutes:
         root = request.scope.get("root_path", "").rstrip("/")  # the app's route prefix
         return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=request.app.title)
 
+    def _model_object(self) -> dict:
+        return {
+            "id": self._model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "vision",
+            # extension: a preset's seeded random weights embed nothing meaningful; say so
+            "random_weights": self.args.random_weights,
+        }
+
     def models(self, request: Request) -> Response:
         refused = self._refused(request)
         if refused is not None:
             return refused
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self._model_name,
-                        "object": "model",
-                        "created": self._created,
-                        "owned_by": "vision",
-                        # extension: a preset's seeded random weights embed nothing meaningful; say so
-                        "random_weights": self.args.random_weights,
-                    }
-                ],
-            }
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    def model(self, request: Request, model_id: str) -> Response:
+        """`GET /v1/models/{id}` (OpenAI's "retrieve model"; ids may hold `/`): the model, or 404."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        if model_id != self._model_name:
+            return error_response(self._unknown_model(model_id))
+        return JSONResponse(self._model_object())
+
+    def _unknown_model(self, name: str) -> RequestError:
+        return RequestError(
+            f"model {shown(name)} is not served here; available: {self._model_name!r}",
+            ErrorCode.MODEL_NOT_FOUND,
+            "model",
         )
 
     async def health(self) -> JSONResponse:

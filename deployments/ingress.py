@@ -90,13 +90,14 @@ class VisionIngress:
         (encoded bytes, pixels, formats) apply; the per-request ones (images, patches) are HTTP's."""
         return await self._handle(images, pooling, None)
 
-    async def embed_llm(self, images, dtype: str = "float32") -> list[dict]:
+    async def embed_llm(self, images, dtype: str | None = "float32") -> list[dict]:
         """What a VLM's LLM needs in place of its vision tower, per image (inputs, limits and errors as `embed`):
         `{"tokens": [n, out_dim], "deepstack": [[n, out_dim] per DeepStack layer, model order; [] for towers
         without], "grid_thw": [t, h, w]}` (the patch grid, as the Hugging Face processor's `image_grid_thw`).
         The arrays are float32, or with `dtype="float16"` np.float16, with `dtype="bfloat16"` np.uint16 holding
-        bfloat16 bit patterns (`torch.from_numpy(x).view(torch.bfloat16)`); both halve what crosses processes."""
-        return [handle_item(w) for w in await self._handle(images, "none", dtype)]
+        bfloat16 bit patterns (`torch.from_numpy(x).view(torch.bfloat16)`); both halve what crosses processes.
+        `dtype=None` is float32."""
+        return [handle_item(w) for w in await self._handle(images, "none", dtype or "float32")]
 
     async def info(self) -> dict:
         """The encoder's `describe()` as this ingress uses it (its preprocessing carries the decode limits)."""
@@ -128,6 +129,10 @@ class VisionIngress:
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
         return self._http.models(request)
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request, model_id: str) -> Response:
+        return self._http.model(request, model_id)
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request) -> Response:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from encoder.errors import EncoderError
 
-from .errors import ErrorCode, RequestError, classify, openai_type, root_cause
+from .errors import ErrorCode, RequestError, classify, openai_type, root_cause, shown
 from .llm_outputs import EMBEDDING_DTYPES, to_wire
 
 logger = logging.getLogger("ray.serve")
@@ -72,9 +72,11 @@ def error_response(exc: BaseException, retry_after_s: float | None = 1.0) -> JSO
 
 
 class EmbeddingRequest(BaseModel):
-    """OpenAI `POST /v1/embeddings` body, with images as data URLs or bare base64 in `input`."""
+    """OpenAI `POST /v1/embeddings` body, with images as data URLs or bare base64 in `input`. An unknown field is
+    refused, as OpenAI's API refuses one: ignored, a misspelt extension (`poolling`, `embeding_dtype`) would
+    give another answer than the one asked for, silently."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     input: str | Annotated[list[str], Field(min_length=1)]
     model: str | None = None
@@ -94,6 +96,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
+FIELDS = tuple(EmbeddingRequest.model_fields)
 _INPUT_SHAPE = "an image (a data URL or base64 string) or a non-empty list of them"
 
 
@@ -124,7 +127,12 @@ def schema_error(errors: list[dict]) -> RequestError:
 
     sentence = input_sentence(errors)
     others = [e for e in errors if tuple(e.get("loc", ()))[:1] != ("input",)]
+    unknown = [e for e in others if e.get("type") == "extra_forbidden"]
+    others = [e for e in others if e not in unknown]
     parts = ([sentence] if sentence else []) + [f"{where(e) or 'body'}: {e.get('msg')}" for e in others]
+    if unknown:
+        names = ", ".join(shown(where(e), 60) for e in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        parts.append(f"unknown field{'s' if len(unknown) > 1 else ''} {names}; the fields are {', '.join(FIELDS)}")
     message = "; ".join(parts) or "invalid request body"
     loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
     return RequestError(message, ErrorCode.INVALID_SCHEMA, loc[0] if loc else None)

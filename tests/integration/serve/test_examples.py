@@ -52,8 +52,10 @@ def test_http_client_example(service, expected):
 
 
 def test_openai_client_example(service, expected):
-    vector = load_example("openai_client").main(service.base_url, IMAGE)
+    vector, half = load_example("openai_client").main(service.base_url, IMAGE)
     np.testing.assert_allclose(np.array(vector, np.float32), expected, atol=1e-4)
+    assert half.dtype == np.float16 and half.shape == expected.shape  # 64 values, had it been decoded as float32
+    np.testing.assert_array_equal(half, np.asarray(vector, np.float32).astype(np.float16))
 
 
 def test_handle_pipeline_example(service, expected):

@@ -191,6 +191,15 @@ def test_handle_embed_llm_equals_encode_llm(apps, references, model):
     assert app.handle.embed_llm.remote([]).result(timeout_s=60) == []
     with pytest.raises(EncoderError, match="dtype"):
         app.handle.embed_llm.remote(images, dtype="int8").result(timeout_s=60)
+    # None is the default (it failed with "too many values to unpack"); a numpy dtype is named, not repr'd
+    (g,) = app.handle.embed_llm.remote(images[:1], dtype=None).result(timeout_s=120)
+    assert g["tokens"].dtype == np.float32 and g["grid_thw"] == list(want[0].grid_thw)
+    np.testing.assert_allclose(g["tokens"], want[0].tokens.numpy(), atol=ATOL)
+    for bad, named in ((np.float16, "of type type (<class 'numpy.float16'>)"), (object(), "of type object;")):
+        with pytest.raises(EncoderError, match="unknown dtype") as refusal:
+            app.handle.embed_llm.remote(images, dtype=bad).result(timeout_s=60)
+        message = str(getattr(refusal.value, "cause", refusal.value))  # not Ray's traceback around it
+        assert named in message and " at 0x" not in message, message
 
 
 @pytest.mark.slow

@@ -129,6 +129,12 @@ def test_health_and_models(client):
     r = client.get("/v1/models")
     assert r.status_code == 200
     assert [(m["id"], m["random_weights"]) for m in r.json()["data"]] == [("tiny", True)]
+    # OpenAI's "retrieve model" (broken: 404 for the served model, so `client.models.retrieve("tiny")` failed)
+    r = client.get("/v1/models/tiny")
+    assert r.status_code == 200 and r.json() == client.get("/v1/models").json()["data"][0], r.text
+    r = client.get("/v1/models/org/other")  # ids may hold "/"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert "'org/other' is not served here; available: 'tiny'" in r.json()["error"]["message"]
 
 
 BAD_REQUESTS = [
@@ -171,6 +177,20 @@ def test_http_unsupported_format_invalid_json_and_unknown_route(client):
     r = client.post("/v1/embeddings", content=b"{not json", headers={"content-type": "application/json"})
     assert_error(r, 400, "invalid_json")
     assert_error(client.get("/v1/nothing-here"), 404, "not_found")
+
+
+def test_http_unknown_fields_are_refused_by_name(client):
+    """Broken: ignored, so a misspelt extension gave another answer than the one asked for (`poolling: "none"`:
+    mean vectors; `embeding_dtype: "bfloat16"`: float32 bytes that the client then read as bfloat16)."""
+    good = data_url(png(56, 56))
+    for field, value in (("poolling", "none"), ("embeding_dtype", "bfloat16")):
+        error = assert_error(client.post("/v1/embeddings", json={"input": [good], field: value}), 422, "invalid_schema")
+        assert error["message"].startswith(f"unknown field '{field}'; the fields are input, model,"), error
+        assert error["param"] == field
+    # every field the API has is accepted
+    body = {"input": [good], "model": "tiny", "encoding_format": "float", "pooling": "mean", "dimensions": None,
+            "embedding_dtype": "float32", "user": "u1"}  # fmt: skip
+    assert client.post("/v1/embeddings", json=body).status_code == 200
 
 
 def test_http_error_names_the_bad_input(client):

@@ -50,6 +50,8 @@ def test_app_args_coerce_cli_strings_and_reject_mistakes(tmp_path):
     assert AppArgs(model=str(tmp_path / "ckpt-7b")).model_name == str(tmp_path / "ckpt-7b")  # not a dir (yet)
     (tmp_path / "ckpt-7b").mkdir()
     assert AppArgs(model=str(tmp_path / "ckpt-7b") + "/").model_name == "ckpt-7b"
+    # a Hub id is served without its revision (broken: `model: "org/name"` was 404 for `org/name@v2`)
+    assert AppArgs(model="org/name@refs/pr/3").model_name == "org/name"
     bad_args = [{"num_replicas": 0}, {"num_gpus": -1}, {"nmu_replicas": 2}, {"buckets": "256,abc"},
                 {"buckets": "pow2:256-1000"}, {"batcher": "magic"},
                 {"request_router_class": "ray", "request_router_kwargs": {"x": 1}}]  # fmt: skip
