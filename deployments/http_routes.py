@@ -103,7 +103,7 @@ class HttpRoutes:
                 # bytes first (headers, then the body as it arrives); the request slot only once the body is
                 # here, so a slow body holds bytes it sent, never a slot (issue 17)
                 admission.reserve_bytes(ticket, header_bytes(request))
-                check_content_type(request.headers.get("content-type"))
+                check_content_type(request.headers.get("content-type"), request.headers.get("content-encoding"))
                 body = await read_body(
                     request, self.args.max_request_bytes, partial(admission.reserve_bytes, ticket),
                     self.args.body_timeout_s, self.args.body_min_rate,

@@ -29,8 +29,15 @@ def check_request_patches(total: int, limit: int) -> None:
 # ------------------------------------------------------------------------------------------ HTTP body
 
 
-def check_content_type(value: str | None) -> None:
-    """JSON bodies only (a missing Content-Type is read as JSON); else 415."""
+def check_content_type(value: str | None, encoding: str | None = None) -> None:
+    """JSON bodies only (a missing Content-Type is read as JSON), not compressed (`Content-Encoding`); else 415.
+    A gzip body read as JSON would be answered "not valid JSON", as if the client had sent bad JSON."""
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise RequestError(
+            f"Content-Encoding {shown(encoding.strip())} is not supported; send the body uncompressed",
+            ErrorCode.UNSUPPORTED_CONTENT_TYPE,
+            None,
+        )
     if value is None:
         return
     media = value.split(";", 1)[0].strip().lower()

@@ -118,6 +118,11 @@ def test_request_parsing_and_content_type():
         with pytest.raises(RequestError) as info:
             check_content_type(bad)
         assert info.value.status == 415
+    check_content_type("application/json", "identity")
+    for encoding in ("gzip", "br, gzip"):  # broken: read as JSON, answered 400 "not valid JSON"
+        with pytest.raises(RequestError, match=f"Content-Encoding '{encoding}' is not supported") as info:
+            check_content_type("application/json", encoding)
+        assert info.value.status == 415
 
 
 # ------------------------------------------------------------------------------------------ error mapping
