@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from encoder.errors import EncoderError
 
-from .errors import ErrorCode, RequestError, classify, openai_type, root_cause, shown
+from .errors import ECHO_LIMIT, ErrorCode, RequestError, classify, openai_type, root_cause, shown
 from .llm_outputs import EMBEDDING_DTYPES, to_wire
 
 logger = logging.getLogger("ray.serve")
@@ -242,7 +242,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    message = f"{exc.detail} ({request.method} {request.url.path})"
+    path = request.url.path if len(request.url.path) <= ECHO_LIMIT else request.url.path[:ECHO_LIMIT] + "…"
+    message = f"{exc.detail} ({request.method} {path})"  # a 1 MB path is not echoed whole
     error = _STARLETTE_ERRORS.get(exc.status_code)
     type_, code = (error.type, error.code) if error is not None else (openai_type(exc.status_code), "http_error")
     return JSONResponse(

@@ -90,6 +90,10 @@ def test_a_huge_model_name_is_not_echoed_whole(app):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     message = r.json()["error"]["message"]
     assert len(message) < 300 and "…" in message, message[:400]
+    r = httpx.get(f"{app.base_url}/v1/{'x' * 5000}", headers=AUTH, timeout=60)  # nor a long unknown path
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    message = r.json()["error"]["message"]
+    assert len(message) < 300 and "…" in message, message[:400]
 
 
 def test_docs_and_openapi_need_the_api_key(app):
