@@ -1,8 +1,8 @@
 """How the ingress calls the encoder replicas: request merging, splitting and retries.
 
 `EncoderClient.encode(arrays, pooling, llm)` sends resized uint8 images to the encoder deployment with
-`encode_pixels(pixels, pooling=..., num_patches=n)` (pooled vectors) or `encode_llm_pixels(pixels, dtype=...,
-num_patches=n)` (per-token LLM-ready outputs in a wire dtype):
+`encode_pixels(pixels, pooling=..., num_patches=n, num_images=k)` (pooled vectors) or `encode_llm_pixels(pixels,
+dtype=..., num_patches=n, num_images=k)` (per-token LLM-ready outputs in a wire dtype):
 
 * merging (`ingress_batch_size` > 1): calls that arrive while `ingress_max_concurrent_batches` merged
   requests are in flight wait and go together in the next one (no timer: an idle call goes out at once),
@@ -206,11 +206,12 @@ class EncoderClient:
                 or answer_bytes(info, counts[s:e], pooling, llm) > _INLINE_ANSWER_BYTES
             )
             handle = self._encoder_by_ref if big else self._encoder
-            n = sum(counts[s:e])
+            # what the router reads (`router_assignment.request_size`): a bucket caps images as well as patches
+            size = {"num_patches": sum(counts[s:e]), "num_images": e - s, "deadline": deadline}
             if llm is not None:
-                method, kwargs = handle.encode_llm_pixels, {"dtype": llm, "num_patches": n, "deadline": deadline}
+                method, kwargs = handle.encode_llm_pixels, {"dtype": llm, **size}
             else:
-                method, kwargs = handle.encode_pixels, {"pooling": pooling, "num_patches": n, "deadline": deadline}
+                method, kwargs = handle.encode_pixels, {"pooling": pooling, **size}
             route = "by_reference" if big else "inline"
 
             async def timed() -> list:

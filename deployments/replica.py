@@ -3,11 +3,11 @@ then encodes batches of resized uint8 images.
 
 `EncoderReplica` wires the parts of one replica and serves their methods:
 
-* `encode_pixels(pixels, pooling=..., num_patches=n)` and `encode_llm_pixels(pixels, dtype=..., num_patches=n)`
-  (the LLM-ready outputs: tokens, DeepStack features, patch grid) validate shapes on the event loop and
-  hand the request to the `replica_pipeline.DevicePipeline` (batching, device thread, results thread).
-  `num_patches` is a keyword argument on purpose: request routers read it from
-  `pending_request.kwargs["num_patches"]` without deserialising the pixels.
+* `encode_pixels(pixels, pooling=..., num_patches=n, num_images=k)` and `encode_llm_pixels(pixels, dtype=...,
+  num_patches=n, num_images=k)` (the LLM-ready outputs: tokens, DeepStack features, patch grid) validate shapes
+  on the event loop and hand the request to the `replica_pipeline.DevicePipeline` (batching, device thread,
+  results thread). `num_patches` and `num_images` are keyword arguments on purpose: request routers read them
+  from `pending_request.kwargs` without deserialising the pixels (a bucket caps images as well as patches).
 * `record_routing_stats()` / `record_replica_metadata()`: `routing_stats.BucketRoutingStats`.
 * `check_health()`: `replica_health.HealthProbe`; `inject_fault()` (tests only): `replica_health.FaultInjector`.
 * `describe()` (what the ingress needs) and `stats()`.
@@ -109,24 +109,36 @@ class EncoderReplica:
 
     # -- the request methods -----------------------------------------------------------------------------
     async def encode_pixels(
-        self, pixels, *, pooling: str = "mean", num_patches: int | None = None, deadline: float | None = None
+        self,
+        pixels,
+        *,
+        pooling: str = "mean",
+        num_patches: int | None = None,
+        num_images: int | None = None,
+        deadline: float | None = None,
     ) -> list[np.ndarray]:
         """Encode resized uint8 images ([H, W, 3], sides multiples of patch*merge: `resize_image` output).
 
         Returns one float32 array per image: [out_dim] for `pooling="mean"`, [tokens, out_dim] for
-        `"none"`. `num_patches` (total patches of the request) is what routers read; when given it must
-        match the pixels. `deadline` (`time.time()`, the caller's request deadline): the work is dropped,
-        with `TimeoutError`, if it has not started by then (`replica_pipeline.DevicePipeline`).
+        `"none"`. `num_patches` (total patches of the request) and `num_images` are what routers read; when
+        given they must match the pixels. `deadline` (`time.time()`, the caller's request deadline): the work is
+        dropped, with `TimeoutError`, if it has not started by then (`replica_pipeline.DevicePipeline`).
         """
         from .replica_pipeline import Work, check_pixels
 
         entered = time.perf_counter()
         check_pooling(pooling)
         work = Work(*check_pixels(pixels, self.pp), pooling, deadline=deadline)
-        return await self._encode(work, num_patches, entered)
+        return await self._encode(work, num_patches, num_images, entered)
 
     async def encode_llm_pixels(
-        self, pixels, *, dtype: str = "float32", num_patches: int | None = None, deadline: float | None = None
+        self,
+        pixels,
+        *,
+        dtype: str = "float32",
+        num_patches: int | None = None,
+        num_images: int | None = None,
+        deadline: float | None = None,
     ) -> list[WireLLM]:
         """The LLM-ready outputs of resized uint8 images (as `encode_pixels`, same batches and device thread):
         per image `(tokens [n, out_dim], [DeepStack layer [n, out_dim], ...], (t, h, w))`, the arrays in the
@@ -137,11 +149,13 @@ class EncoderReplica:
         entered = time.perf_counter()
         check_dtype(dtype)
         work = Work(*check_pixels(pixels, self.pp), "none", dtype, deadline=deadline)
-        return await self._encode(work, num_patches, entered)
+        return await self._encode(work, num_patches, num_images, entered)
 
-    async def _encode(self, work: Work, num_patches: int | None, entered: float) -> list:
+    async def _encode(self, work: Work, num_patches: int | None, num_images: int | None, entered: float) -> list:
         if num_patches is not None and int(num_patches) != work.patches:
             raise InvalidArgumentError(f"num_patches={num_patches} but the pixels have {work.patches} patches")
+        if num_images is not None and int(num_images) != len(work.arrays):
+            raise InvalidArgumentError(f"num_images={num_images} but {len(work.arrays)} images were sent")
         if not work.arrays:
             return []
         return await self.pipeline.submit(work, entered)

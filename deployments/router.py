@@ -8,7 +8,7 @@ bucket its own patch count maps to) on a stable set of owner replicas, balances 
 inside that set, and spills to the other replicas only when the owners are saturated.
 
 Plugging it in (the encoder deployment, called as
-`handle.encode_pixels.remote(pixels, pooling=..., num_patches=n)`)::
+`handle.encode_pixels.remote(pixels, pooling=..., num_patches=n, num_images=k)`)::
 
     from ray.serve.config import RequestRouterConfig
 

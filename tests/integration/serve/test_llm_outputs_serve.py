@@ -321,6 +321,10 @@ def test_replica_encode_llm_pixels_checks_its_inputs(apps, references):
     assert deepstack == [] and grid == want.grid_thw
     with pytest.raises(InvalidArgumentError, match="num_patches"):
         enc.encode_llm_pixels.remote(pixels, num_patches=n + 1).result(timeout_s=60)
+    with pytest.raises(InvalidArgumentError, match="num_images=2 but 1 images were sent"):
+        enc.encode_llm_pixels.remote(pixels, num_patches=n, num_images=2).result(timeout_s=60)
+    with pytest.raises(InvalidArgumentError, match="num_images=3 but 1 images were sent"):
+        enc.encode_pixels.remote(pixels, num_images=3).result(timeout_s=60)
     with pytest.raises(InvalidArgumentError, match="dtype"):
         enc.encode_llm_pixels.remote(pixels, dtype="float64").result(timeout_s=60)
     with pytest.raises(InvalidImageError):

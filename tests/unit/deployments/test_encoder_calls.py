@@ -50,6 +50,9 @@ class _Response:
         pass
 
 
+SENT_KWARGS: list[dict] = []  # the keyword arguments of every encoder call, as a router would read them
+
+
 class _Method:
     def __init__(self, calls: list, name: str, by_reference: bool):
         self._calls, self._name, self._by_reference = calls, name, by_reference
@@ -58,6 +61,7 @@ class _Method:
         if self._name == "describe":
             return _Response(dict(DESCRIBE))
         self._calls.append((self._name, len(pixels), self._by_reference))
+        SENT_KWARGS.append(kwargs)
         return _Response([None] * len(pixels))
 
 
@@ -97,3 +101,28 @@ def test_big_answers_and_big_pixels_go_by_reference_small_calls_inline():
     ]
     rounds = telemetry.snapshot()["timings_ms"]["encoder_call"]
     assert rounds["n"] == 5 and {"inline", "by_reference"} <= rounds.keys()
+
+
+def test_each_encoder_call_tells_the_router_its_patches_and_images():
+    """Broken: calls carried `num_patches` only, so the router took every call for one image; 32 merged
+    thumbnails (512 patches) went to the owner of the 512-patch bucket, whose table caps it at 8 images."""
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from deployments.router_assignment import request_size
+
+    SENT_KWARGS.clear()
+    client = EncoderClient(_Encoder([]), AppArgs(ingress_batch_size=0), IngressTelemetry())
+    small, big = np.zeros((56, 56, 3), np.uint8), np.zeros((224, 448, 3), np.uint8)  # 16 and 512 patches
+
+    async def main():
+        await client.encode([small] * 32, "mean")
+        await client.encode([big, small, small], "none", llm="float16")
+        await client.encode([small] * 70, "mean")  # over max_batch_images (64): two packs
+
+    async def sizes():  # a PendingRequest is made on an event loop, as in the router
+        meta = RequestMetadata("r", "r")
+        return [request_size(PendingRequest(args=[], kwargs=kw, metadata=meta)) for kw in SENT_KWARGS]
+
+    asyncio.run(main())
+    assert asyncio.run(sizes()) == [(512, 32), (544, 3), (64 * 16, 64), (6 * 16, 6)]
