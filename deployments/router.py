@@ -166,6 +166,13 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
 
     # -- lifecycle hooks Ray calls ------------------------------------------------------------------
 
+    @staticmethod
+    def check_kwargs(kwargs: dict) -> None:
+        """`request_router_kwargs` checked where the application is built (`build_app`): Serve calls
+        `initialize_state` in each caller's process, where a mistake would only be logged while every request
+        waited for a router that never came (the deployment RUNNING, requests 504 at their time limit)."""
+        BucketRouterConfig.model_validate(kwargs).default_table()
+
     def initialize_state(self, **kwargs) -> None:
         """Called by Serve with `RequestRouterConfig.request_router_kwargs`."""
         self._config = BucketRouterConfig.model_validate(kwargs)

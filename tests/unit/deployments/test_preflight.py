@@ -67,6 +67,10 @@ def test_build_app_refuses_bad_arguments_in_one_line():
         ({"buckets": "7"}, "buckets '7': "),  # not a multiple of the model's merge unit (4)
         ({"request_router_class": "no.such:Router"}, "request_router_class 'no.such:Router': "),
         ({"request_router_class": "deployments.router:NoSuch"}, "request_router_class 'deployments.router:NoSuch'"),
+        # the router's own options (broken: RUNNING, then every request 504 after its 60 s time limit)
+        ({"request_router_kwargs": {"spill_fration": 0.5}}, "request_router_kwargs: spill_fration: Extra inputs"),
+        ({"request_router_kwargs": {"spill_fraction": 2}}, "request_router_kwargs: spill_fraction: Input should be"),
+        ({"request_router_kwargs": {"buckets": "pow2:256-1000"}}, "request_router_kwargs: "),
     ],
 )
 def test_build_app_refuses_what_would_fail_in_every_replica_in_one_line(args, expected):
