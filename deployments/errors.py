@@ -38,6 +38,7 @@ CLIENT_ERROR = "client_error"
 OVERLOADED = "overloaded"
 TIMED_OUT = "timeout"
 SERVER_ERROR = "server_error"
+DISCONNECTED = "disconnected"  # the caller went away (HTTP client disconnected, handle call cancelled): no answer
 # inside `ErrorCode` the name OVERLOADED is the member once it is defined: later rows use this alias
 _OVERLOADED_OUTCOME = OVERLOADED
 

@@ -19,7 +19,7 @@ from encoder.poolings import check_pooling
 from .config import AppArgs
 from .decoding import IngressDecoder
 from .encoder_calls import EncoderClient
-from .errors import CLIENT_ERROR, OK, classify, root_cause
+from .errors import CLIENT_ERROR, DISCONNECTED, OK, classify, root_cause
 from .limits import Admission, Ticket
 from .llm_outputs import check_dtype
 from .metrics import IngressTelemetry
@@ -88,9 +88,15 @@ class HandleCalls:
             return vectors
         except EncoderError as e:
             raise root_cause(e) from None  # the replica's own exception, not Ray's wrapper
+        except asyncio.CancelledError:  # the caller cancelled its call (or went away)
+            outcome = DISCONNECTED
+            raise
         except Exception as e:
             outcome = classify(e).error.outcome
             raise
         finally:
             admission.leave(ticket)
-            telemetry.request("handle", outcome, n_images, patches, time.perf_counter() - started)
+            if outcome == DISCONNECTED:
+                telemetry.disconnected("handle", n_images, patches, time.perf_counter() - started)
+            else:
+                telemetry.request("handle", outcome, n_images, patches, time.perf_counter() - started)

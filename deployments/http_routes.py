@@ -120,6 +120,9 @@ class HttpRoutes:
                 content, patches = await self._embeddings(parsed, inputs, started, ticket)
             telemetry.request("http", "ok", n_images, patches, time.perf_counter() - started)
             return Response(content=content, media_type="application/json")
+        except asyncio.CancelledError:  # the client went away (mid-body: `limits.read_body`); Serve cancelled us
+            telemetry.disconnected("http", n_images, patches, time.perf_counter() - started)
+            raise
         except Exception as e:
             if isinstance(e, ClientDisconnect):  # gone before its body arrived (e.g. short of its Content-Length)
                 e = RequestError(

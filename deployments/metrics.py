@@ -12,6 +12,8 @@ from collections import deque
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from .errors import DISCONNECTED
+
 _LATENCY_MS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _PATCHES = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
@@ -45,7 +47,7 @@ class IngressMetrics:
         self.requests = Counter(
             "vision_requests",
             description="Requests to the ingress, by route (http|handle) and outcome "
-            "(ok|client_error|unauthorized|overloaded|timeout|server_error).",
+            "(ok|client_error|unauthorized|overloaded|timeout|server_error|disconnected).",
             tag_keys=("route", "outcome"),
         )
         self.images = Counter("vision_request_images", description="Images received.", tag_keys=("route",))
@@ -104,6 +106,7 @@ class IngressTelemetry:
             "encoder_requests": 0,
             "encoder_retries": 0,
             "encoder_backpressure": 0,
+            "disconnected": 0,  # requests whose caller went away before the answer (no answer sent)
             # HTTP error answers: 4xx (but 408/429), 429/503, 408/504, other 5xx
             **dict.fromkeys(_ANSWER_COUNTS.values(), 0),
         }
@@ -117,6 +120,11 @@ class IngressTelemetry:
 
     def request(self, route: str, outcome: str, images: int, patches: int, seconds: float) -> None:
         self.metrics.request(route, outcome, images, patches, seconds)
+
+    def disconnected(self, route: str, images: int, patches: int, seconds: float) -> None:
+        """A request whose caller went away (the request task cancelled by Serve): counted, never answered."""
+        self.counts["disconnected"] += 1
+        self.request(route, DISCONNECTED, images, patches, seconds)
 
     def snapshot(self) -> dict:
         return dict(self.counts) | {"timings_ms": {route: t.p50_ms() for route, t in self.timings.items()}}

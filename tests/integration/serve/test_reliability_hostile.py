@@ -187,10 +187,13 @@ def test_a_request_past_the_deadline_is_answered_504_and_its_work_dropped(client
 
 def test_a_request_abandoned_by_its_client_is_dropped(app, client, encoder_handle):
     before = replica_stats(encoder_handle)
+    gone = app.handle.ingress_stats.remote().result(timeout_s=30)["disconnected"]
     with httpx.Client(base_url=app.base_url, timeout=2.0) as impatient:
         with pytest.raises(httpx.TimeoutException):
             impatient.post("/v1/embeddings", json=HEAVY)
     assert_others_served_then_heavy_work_dropped(client, time.monotonic(), encoder_handle, before, "abandoned")
+    # counted as a disconnect (broken: counted nowhere)
+    assert app.handle.ingress_stats.remote().result(timeout_s=30)["disconnected"] == gone + 1
 
 
 def test_other_callers_interleave_with_a_heavy_request(app, client, encoder_handle):
