@@ -131,7 +131,7 @@ class IngressTelemetry:
 
 
 class ReplicaMetrics:
-    """What the encoder replica does with its batches (deltas of `GraphEncoder.stats()`)."""
+    """What the encoder replica does with its requests' batches."""
 
     def __init__(self) -> None:
         self.requests = Counter("vision_encoder_requests", description="Requests the encoder replica ran.")
@@ -173,9 +173,10 @@ class ReplicaMetrics:
             description="Latency of the health check's probe encode, queue wait included.",
             boundaries=_LATENCY_MS,
         )
-        self._last: dict = {}
 
-    def batch(self, requests: int, images: int, patches: int, waits_s: list[float], run_s: float, stats: dict) -> None:
+    def batch(self, requests: int, images: int, patches: int, waits_s: list[float], run_s: float, engine: dict) -> None:
+        """One batch of requests; `engine`: what the engine's counters gained from it (`replica_pipeline.
+        engine_delta`), not their totals, which also count the start-up and health-check encodes."""
         self.requests.inc(requests)
         self.images.inc(images)
         self.patches.inc(patches)
@@ -185,17 +186,12 @@ class ReplicaMetrics:
         for w in waits_s:
             self.queue_wait.observe(w * 1000.0)
         self.run_latency.observe(run_s * 1000.0)
-        last, self._last = self._last, stats
-        padded = stats["padded_patches"] - last.get("padded_patches", 0)
-        if padded:
-            self.padded.inc(padded)
-        eager = stats["eager_runs"] - last.get("eager_runs", 0)
-        if eager:
-            self.eager.inc(eager)
-        before = last.get("replays", {})
-        for budget, n in stats["replays"].items():
-            if n != before.get(budget, 0):
-                self.replays.inc(n - before.get(budget, 0), tags={"bucket": str(budget)})
+        if engine["padded_patches"]:
+            self.padded.inc(engine["padded_patches"])
+        if engine["eager_runs"]:
+            self.eager.inc(engine["eager_runs"])
+        for budget, n in engine["replays"].items():
+            self.replays.inc(n, tags={"bucket": str(budget)})
 
 
 def rss_bytes() -> int:

@@ -59,6 +59,17 @@ class Work:
 _DEADLINE_GRACE_S = 1.0
 
 
+def engine_delta(before: dict, after: dict) -> dict:
+    """What `GraphEncoder.stats()` counters gained between two snapshots: padded patches, eager runs, replays
+    per budget (only the budgets that ran)."""
+    replays = {b: n - before["replays"].get(b, 0) for b, n in after["replays"].items()}
+    return {
+        "padded_patches": after["padded_patches"] - before["padded_patches"],
+        "eager_runs": after["eager_runs"] - before["eager_runs"],
+        "replays": {b: n for b, n in replays.items() if n},
+    }
+
+
 def _expired(work: Work) -> bool:
     return work.deadline is not None and time.time() > work.deadline + _DEADLINE_GRACE_S
 
@@ -193,6 +204,7 @@ class DevicePipeline:
             if not self._queued[label]:
                 del self._queued[label]
             self._queued_patches -= total
+            self.metrics.queue_depth.set(sum(self._queued.values()))  # it stayed at a burst's peak
 
     def queued_by_bucket(self) -> dict[int, int]:
         """{budget: requests inside this replica (queued or running) that map to that bucket alone};
@@ -217,7 +229,7 @@ class DevicePipeline:
         try:
             launched = self._device_thread.submit(self._launch, works)
             try:
-                finish, launch_s = await asyncio.wrap_future(launched)
+                finish, launch_s, engine_delta = await asyncio.wrap_future(launched)
             except asyncio.CancelledError:
                 # the callers are gone (deadline, disconnect): a batch still queued for the device thread is
                 # dropped; one already launched has its outputs collected for nobody (the device's work and
@@ -247,7 +259,7 @@ class DevicePipeline:
             patches=sum(w.patches for w in works),
             waits_s=waits,
             run_s=run_s,
-            stats=self.engine.stats(),
+            engine=engine_delta,
         )
         return results
 
@@ -259,10 +271,12 @@ class DevicePipeline:
     def _launch(self, works: list[Work]):
         """Device thread: upload, patchify and queue the replays of one batch (one engine call per pooling mode
         or LLM wire dtype in it, usually one). Returns (a callable that waits for the outputs and splits them
-        per request, the seconds spent here)."""
+        per request, the seconds spent here, and what the engine's counters gained from this batch alone: the
+        health probe's encodes run in this thread too, between batches, and are not requests)."""
         if self._before_launch is not None:
             self._before_launch()
         started = time.perf_counter()
+        before = self.engine.stats()
         modes: dict[tuple[str, str | None], list[int]] = {}
         for i, w in enumerate(works):
             modes.setdefault((w.pooling, w.llm), []).append(i)
@@ -290,7 +304,7 @@ class DevicePipeline:
                     pos += n
             return out
 
-        return finish, time.perf_counter() - started
+        return finish, time.perf_counter() - started, engine_delta(before, self.engine.stats())
 
     def shutdown(self) -> None:
         """Let the batch running in the device thread finish rather than tear the engine down under it."""

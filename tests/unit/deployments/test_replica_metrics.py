@@ -1,0 +1,71 @@
+"""The encoder replica's Prometheus metrics, from its `DevicePipeline` on a CPU `tiny` engine (no Ray): what a
+batch adds is its own work, and the queue-depth gauge follows the requests back down."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+import encoder
+from deployments.config import AppArgs, replica_plan
+from deployments.replica_health import probe_pixels
+from deployments.replica_pipeline import DevicePipeline, Work, check_pixels, engine_delta
+from encoder.patchify import stack_patchify
+from tests.images_util import random_array
+from workspace import GraphEncoder
+
+
+class _Gauge:
+    def __init__(self):
+        self.values: list[float] = []
+
+    def set(self, value: float) -> None:
+        self.values.append(value)
+
+
+class _Metrics:
+    """`ReplicaMetrics`' surface that the pipeline uses, recording what it is given."""
+
+    def __init__(self):
+        self.queue_depth = _Gauge()
+        self.batches: list[dict] = []
+
+    def batch(self, **kwargs) -> None:
+        self.batches.append(kwargs)
+
+
+def test_a_batch_counts_its_own_replays_not_the_health_probes():
+    """Broken: the batch's replays and padding were the differences of the engine's totals since the last batch,
+    which hold the start-up and health-check encodes too (17 replays counted for 2 one-image requests, with a
+    health check every second), and the queue-depth gauge stayed at a burst's peak after it was served."""
+    vision = encoder.load("tiny", device="cpu")
+    plan = replica_plan(AppArgs(model="tiny"), vision, "cpu")
+    engine = GraphEncoder(vision, plan.table)
+    metrics = _Metrics()
+    pipeline = DevicePipeline(
+        engine, plan, batcher="continuous", pipeline_depth=1, fixed_cost=None, batch_wait_timeout_s=0.0,
+        metrics=metrics,
+    )  # fmt: skip
+    pp = vision.preprocess_config
+    probe = stack_patchify(probe_pixels(pp), pp, engine.device)
+    image = random_array(pp.factor * 4, pp.factor * 3, 3, seed=5)  # 4x3 merge units: 48 patches
+
+    async def main():
+        for _ in range(3):  # what the health probe does between batches, in the device thread
+            await pipeline.on_device_thread(engine.encode, probe, "mean")
+        work = Work(*check_pixels([image], pp), "mean")
+        return await pipeline.submit(work, 0.0)
+
+    before = engine.stats()
+    try:
+        (vector,) = asyncio.run(main())
+    finally:
+        pipeline.shutdown()
+    assert vector.shape == (vision.out_dim,) and np.isfinite(vector).all()
+    (batch,) = metrics.batches
+    assert (batch["requests"], batch["images"], batch["patches"]) == (1, 1, 48)
+    assert sum(engine_delta(before, engine.stats())["replays"].values()) == 4  # the probes' replays and the batch's
+    budget = plan.table.bucket_for(48, 1).budget
+    assert batch["engine"] == {"padded_patches": budget - 48, "eager_runs": 0, "replays": {budget: 1}}
+    assert metrics.queue_depth.values == [1, 0]  # up with the request, down once it is answered
