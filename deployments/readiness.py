@@ -31,14 +31,15 @@ def encoder_ready(status, app_name: str, live: int | None = None, total: int | N
     """(ready, detail) from `serve.status()` and the number of live encoder replica actors (`live`; None:
     unknown, trust Serve). Ready iff at least one replica is both running and alive, whatever the
     deployment's status (updating, autoscaling, unhealthy: the running replicas serve). `total`: the
-    replicas the application asks for (default: Serve's count of them)."""
+    replicas the application's arguments ask for; Serve's count of them when it has more (an autoscaled
+    deployment, or a config file's `num_replicas`, which the arguments do not see)."""
     app = status.applications.get(app_name)
     dep = app.deployments.get(ENCODER_NAME) if app is not None else None
     if dep is None:
         return False, {"status": "unavailable", "message": f"deployment {ENCODER_NAME} not found in {app_name!r}"}
     running = sum(n for state, n in dep.replica_states.items() if state == "RUNNING")
     serving = running if live is None else min(running, live)
-    total = total if total is not None else max(running, sum(dep.replica_states.values()))
+    total = max(total or 0, running, sum(dep.replica_states.values()))
     state = getattr(dep.status, "value", dep.status)
     if serving <= 0:
         word = "starting" if state == "UPDATING" and running == 0 else "unavailable"

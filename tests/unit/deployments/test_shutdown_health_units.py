@@ -27,6 +27,10 @@ def test_health_counts_live_replicas_not_serves_lagging_view():
     assert not encoder_ready(status(0, "UNHEALTHY"), "v", live=1, total=1)[0]
     ready, detail = encoder_ready(status(2), "v", live=2, total=2)
     assert ready and detail["status"] == "ok"
+    # an autoscaled deployment (or a config file's num_replicas) runs more than the arguments' num_replicas: Serve's
+    # count is the total (broken: "3 of 1", and "2 of 1" still "ok" with one of three replicas dead)
+    ready, detail = encoder_ready(status(3), "v", live=2, total=1)
+    assert ready and detail["status"] == "degraded" and detail["encoder_replicas"] == {"serving": 2, "total": 3}
 
 
 def test_every_error_code_has_a_string_outcome():
