@@ -64,6 +64,32 @@ def test_continuous_batcher_propagates_errors_and_skips_cancelled():
     assert isinstance(a, InvalidArgumentError) and c == 3 and 2 not in seen
 
 
+def test_every_caller_of_a_failed_merged_batch_gets_its_error():
+    """Three waiting callers merge into one batch that fails: each gets the exception (a batcher that gave it to
+    the first and None to the others would pass the one-item batches above)."""
+    release, batches = asyncio.Event(), []
+
+    async def run(works):
+        batches.append([w.patches for w in works])
+        if len(batches) == 1:
+            await release.wait()  # the device is busy: the next three queue up and merge
+            return [w.patches for w in works]
+        raise InvalidArgumentError("boom")
+
+    async def scenario():
+        batcher = ContinuousBatcher(run, lambda p, n: n <= 3, max_concurrent=1)
+        first = asyncio.create_task(batcher(_work(1)))
+        await asyncio.sleep(0)
+        merged = [asyncio.create_task(batcher(_work(p))) for p in (2, 3, 4)]
+        await asyncio.sleep(0)
+        release.set()
+        return await asyncio.gather(first, *merged, return_exceptions=True)
+
+    first, *merged = asyncio.run(scenario())
+    assert first == 1 and batches == [[1], [2, 3, 4]]
+    assert all(isinstance(m, InvalidArgumentError) and str(m) == "boom" for m in merged), merged
+
+
 def test_continuous_batcher_runs_up_to_max_concurrent_batches_and_merges_the_rest():
     running, peak, batches = 0, 0, []
     release, two_running = asyncio.Event(), asyncio.Event()

@@ -196,9 +196,21 @@ def test_rss_is_read_from_proc():
 # ------------------------------------------------------------------------------------------ API key, URLs
 
 
-def test_api_key_is_compared_in_constant_time_and_401_otherwise():
+def test_api_key_is_compared_in_constant_time_and_401_otherwise(monkeypatch):
+    import hmac
+
+    from deployments import security
+
+    compared, constant_time = [], hmac.compare_digest
+
+    def compare_digest(a, b):  # the constant-time comparison is what decides (a `==` passed this test before)
+        compared.append((a, b))
+        return constant_time(a, b)
+
+    monkeypatch.setattr(security.hmac, "compare_digest", compare_digest)
     auth = ApiKeyAuth("s3cret")
     auth.check("Bearer s3cret")
+    assert compared == [(b"s3cret", b"s3cret")]
     auth.check("bearer   s3cret ")
     for header, code in ((None, "missing_api_key"), ("", "missing_api_key"), ("Bearer", "invalid_api_key"),
                          ("Basic czNjcmV0", "invalid_api_key"), ("Bearer s3cre", "invalid_api_key"),

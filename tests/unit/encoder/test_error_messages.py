@@ -204,3 +204,16 @@ def test_vit_preprocess_config_messages_are_clean(encoders):
     with pytest.raises(EncoderError) as info:
         VitPreprocessConfig.from_hf_dict({"size": {"shortest_edge": -5}, "crop_size": 3}, cfg)
     assert_clean(str(info.value))
+
+
+def test_a_batch_whose_grid_does_not_match_its_patches_is_refused(encoders):
+    """The tower's geometry comes from `grid_thw`: with one patch row more or fewer than the grid says, images
+    would be cut at the wrong rows, so the batch is refused by name (no test covered either check)."""
+    from encoder.patch_batch import PatchBatch
+
+    for enc in encoders.values():
+        good = enc.preprocess([np.random.default_rng(1).integers(0, 255, (64, 48, 3), dtype=np.uint8)] * 2)
+        enc.check_batch(good)
+        for rows in (good.pixel_values[:-1], torch.cat([good.pixel_values, good.pixel_values[:1]])):
+            with pytest.raises(EncoderError, match="grid_thw does not match the number of patches"):
+                enc.encode(PatchBatch(rows, good.grid_thw), pooling="mean")
