@@ -14,7 +14,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from .errors import DISCONNECTED
 
-_LATENCY_MS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+# in seconds, Prometheus's base unit (what `histogram_quantile` dashboards and alert rules expect of `_seconds`)
+_LATENCY_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _PATCHES = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 
@@ -53,9 +54,9 @@ class IngressMetrics:
         self.images = Counter("vision_request_images", description="Images received.", tag_keys=("route",))
         self.patches = Counter("vision_request_patches", description="Patches of the images received.")
         self.latency = Histogram(
-            "vision_request_latency_ms",
+            "vision_request_latency_seconds",
             description="Ingress request latency, decode to response.",
-            boundaries=_LATENCY_MS,
+            boundaries=_LATENCY_S,
             tag_keys=("route",),
         )
         self.merged = Histogram(
@@ -74,7 +75,7 @@ class IngressMetrics:
             self.images.inc(images, tags={"route": route})
         if patches:
             self.patches.inc(patches)
-        self.latency.observe(seconds * 1000.0, tags={"route": route})
+        self.latency.observe(seconds, tags={"route": route})
 
 
 # ingress counters of error answers, by metrics outcome
@@ -152,14 +153,14 @@ class ReplicaMetrics:
             "vision_encoder_batch_patches", description="Real patches per replica batch.", boundaries=_PATCHES
         )
         self.queue_wait = Histogram(
-            "vision_encoder_queue_wait_ms",
+            "vision_encoder_queue_wait_seconds",
             description="Time a request waited in the replica before its batch started.",
-            boundaries=_LATENCY_MS,
+            boundaries=_LATENCY_S,
         )
         self.run_latency = Histogram(
-            "vision_encoder_batch_latency_ms",
+            "vision_encoder_batch_latency_seconds",
             description="Device time of one batch: upload, patchify, bucket replays, download.",
-            boundaries=_LATENCY_MS,
+            boundaries=_LATENCY_S,
         )
         self.queue_depth = Gauge("vision_encoder_queue_depth", description="Requests inside the replica.")
         self.captured = Gauge("vision_encoder_graphs_captured", description="Bucket graphs captured (0 on CPU).")
@@ -169,9 +170,9 @@ class ReplicaMetrics:
             tag_keys=("result",),
         )
         self.health_probe = Histogram(
-            "vision_encoder_health_probe_ms",
+            "vision_encoder_health_probe_seconds",
             description="Latency of the health check's probe encode, queue wait included.",
-            boundaries=_LATENCY_MS,
+            boundaries=_LATENCY_S,
         )
 
     def batch(self, requests: int, images: int, patches: int, waits_s: list[float], run_s: float, engine: dict) -> None:
@@ -184,8 +185,8 @@ class ReplicaMetrics:
         self.batch_images.observe(images)
         self.batch_patches.observe(patches)
         for w in waits_s:
-            self.queue_wait.observe(w * 1000.0)
-        self.run_latency.observe(run_s * 1000.0)
+            self.queue_wait.observe(w)
+        self.run_latency.observe(run_s)
         if engine["padded_patches"]:
             self.padded.inc(engine["padded_patches"])
         if engine["eager_runs"]:

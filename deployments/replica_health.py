@@ -111,7 +111,7 @@ class HealthProbe:
             if sticky_device_error(e):
                 pipeline.fatal = e
             raise self._failed(f"health probe encode failed: {type(e).__name__}: {e}", e) from e
-        self._metrics.health_probe.observe((time.perf_counter() - started) * 1000.0)
+        self._metrics.health_probe.observe(time.perf_counter() - started)
         if not np.isfinite(out).all() or not np.allclose(out, self._reference, rtol=1e-3, atol=1e-3):
             pipeline.fatal = RuntimeError("the health probe's embedding is not finite or differs from start-up")
             raise self._failed(f"encoder replica must be replaced: {pipeline.fatal}")

@@ -69,3 +69,26 @@ def test_a_batch_counts_its_own_replays_not_the_health_probes():
     budget = plan.table.bucket_for(48, 1).budget
     assert batch["engine"] == {"padded_patches": budget - 48, "eager_runs": 0, "replays": {budget: 1}}
     assert metrics.queue_depth.values == [1, 0]  # up with the request, down once it is answered
+
+
+def test_metric_names_follow_prometheus_conventions():
+    """Durations in seconds, named `_seconds` (they were `_ms` histograms in milliseconds); no unit-less time."""
+    from ray.util.metrics import Histogram
+
+    from deployments.metrics import IngressMetrics, ReplicaMetrics
+
+    metrics = [m for owner in (IngressMetrics(), ReplicaMetrics()) for m in vars(owner).values() if hasattr(m, "_name")]
+    names = {m._name for m in metrics}
+    assert len(names) == len(metrics) and all(n.startswith("vision_") for n in names), names
+    assert not [n for n in names if n.endswith("_ms")], names
+    timed = {
+        m._name: m
+        for m in metrics
+        if isinstance(m, Histogram) and any(w in m._name for w in ("latency", "wait", "probe"))
+    }
+    assert set(timed) == {
+        "vision_request_latency_seconds", "vision_encoder_queue_wait_seconds",
+        "vision_encoder_batch_latency_seconds", "vision_encoder_health_probe_seconds",
+    }, set(timed)  # fmt: skip
+    for name, histogram in timed.items():
+        assert name.endswith("_seconds") and max(histogram.boundaries) <= 60, (name, histogram.boundaries)
