@@ -1,5 +1,6 @@
-"""The encoder replica's Prometheus metrics, from its `DevicePipeline` on a CPU `tiny` engine (no Ray): what a
-batch adds is its own work, and the queue-depth gauge follows the requests back down."""
+"""The encoder replica's `DevicePipeline` on a CPU `tiny` engine (no Ray): its Prometheus metrics (a batch adds its
+own work; the queue-depth gauge follows the requests back down; names in Prometheus's conventions) and its
+deadline backstop."""
 
 from __future__ import annotations
 
@@ -92,3 +93,34 @@ def test_metric_names_follow_prometheus_conventions():
     }, set(timed)  # fmt: skip
     for name, histogram in timed.items():
         assert name.endswith("_seconds") and max(histogram.boundaries) <= 60, (name, histogram.boundaries)
+
+
+def test_work_past_its_deadline_is_dropped_unrun_by_the_replica():
+    """The replica's own backstop (`replica_pipeline._expired`): work whose deadline passed more than the clock
+    grace ago is refused before it runs; within the grace it runs (the ingress cancels it itself). No test ran
+    the replica's rule (the batcher's tests give it their own)."""
+    import time
+
+    import pytest
+
+    vision = encoder.load("tiny", device="cpu")
+    plan = replica_plan(AppArgs(model="tiny"), vision, "cpu")
+    metrics = _Metrics()
+    pipeline = DevicePipeline(
+        GraphEncoder(vision, plan.table), plan, batcher="continuous", pipeline_depth=1, fixed_cost=None,
+        batch_wait_timeout_s=0.0, metrics=metrics,
+    )  # fmt: skip
+    pp = vision.preprocess_config
+    image = random_array(pp.factor * 2, pp.factor * 2, 3, seed=6)
+
+    def submit(deadline: float):
+        return asyncio.run(pipeline.submit(Work(*check_pixels([image], pp), "mean", deadline=deadline), 0.0))
+
+    try:
+        with pytest.raises(TimeoutError, match="dropped unrun"):
+            submit(time.time() - 30)
+        assert metrics.batches == []  # nothing ran
+        (vector,) = submit(time.time() - 0.2)  # late by less than the clocks' grace: run
+        assert np.isfinite(vector).all() and len(metrics.batches) == 1
+    finally:
+        pipeline.shutdown()
