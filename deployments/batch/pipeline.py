@@ -12,7 +12,9 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from encoder.errors import RandomWeightsWarning
+import pyarrow as pa
+
+from encoder.errors import InvalidArgumentError, RandomWeightsWarning
 
 from .decode import check_input_schema, decode_batch, image_column_kind, typical_patches_of
 from .model_facts import (
@@ -24,6 +26,16 @@ from .model_facts import (
     rows_per_batch,
 )
 from .options import EmbedOptions
+
+
+def arrow_schema(schema) -> pa.Schema | None:
+    """A dataset's schema (`ray.data.Schema`, or a pyarrow one) as a pyarrow schema; None for pandas blocks."""
+    if isinstance(schema, pa.Schema):
+        return schema
+    names, types = list(schema.names), list(schema.types)
+    if all(isinstance(t, pa.DataType) for t in types):
+        return pa.schema(list(zip(names, types, strict=True)))
+    return None
 
 
 def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
@@ -69,7 +81,11 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
         RandomWeightsWarning.warn(model, stacklevel=2)
     schema = ds.schema(fetch_if_missing=False)
     if schema is not None:  # known without reading (Parquet footers): the CLI's checks, before any work
-        check_input_schema(schema, image_column)
+        arrow = arrow_schema(schema)
+        if arrow is not None:
+            check_input_schema(arrow, image_column)
+        elif image_column not in schema.names:  # pandas blocks: their types are checked as they are decoded
+            raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
     gpus = gpus_in_cluster() if o.num_gpus is None else o.num_gpus
     plan = plan_for_actors(model, gpus, o.buckets, o.dtype, o.attention)
     root = str(Path.cwd()) if o.path_root is None else str(o.path_root)

@@ -158,13 +158,16 @@ def test_an_output_directory_holding_an_input_is_refused(tmp_path, capsys):
 
 
 class _SchemaOnly:
-    """A dataset whose schema is known without running anything (as `ray.data.read_parquet`'s is); anything
+    """A dataset whose schema is known without running anything (as `ray.data.read_parquet`'s is), given as Ray
+    Data gives it (`ray.data.Schema`, which is no pyarrow schema: the first fix called `.field` on it); anything
     beyond `schema()` means `embed_dataset` went on past its checks."""
 
     def __init__(self, schema: pa.Schema):
-        self._schema = schema
+        import ray.data
 
-    def schema(self, fetch_if_missing: bool = True) -> pa.Schema:
+        self._schema = ray.data.Schema(schema)
+
+    def schema(self, fetch_if_missing: bool = True):
         return self._schema
 
     def __getattr__(self, name):
