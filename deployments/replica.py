@@ -164,7 +164,9 @@ class EncoderReplica:
     def record_routing_stats(self) -> dict:
         """Published to request routers (`RunningReplica.routing_stats`) every `routing_stats_period_s`
         (`deployments.routing_stats`), plus queued_requests / queued_patches (totals) for dashboards and tests."""
-        stats = BucketRoutingStats.from_table(self.engine.table, self.pipeline.queued_by_bucket(), self.ready)
+        stats = BucketRoutingStats.from_table(
+            self.engine.table, self.pipeline.queued_by_bucket(), self.ready, self.pipeline.max_batch_patches
+        )
         return stats.to_dict() | self.pipeline.queue_totals()
 
     def record_replica_metadata(self) -> dict:

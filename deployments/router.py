@@ -34,7 +34,8 @@ buckets: `deployments.router_assignment` (`assign_buckets`, a pure function).
 
 Spill rule: an owner is saturated when Ray's cached queue length for it is >= `spill_queue_len`
 (default: `spill_fraction` x its `max_ongoing_requests`, rounded up, at least 1) or when the patches
-this router has in flight on it reach `spill_patches` (default 2 x the largest budget; 0 disables;
+this router has in flight on it reach `spill_patches` (default 2 x the largest budget, or 2 x the replicas'
+published batch limit where larger; 0 disables;
 counts only this router's requests). `choose_replicas` returns ranked groups and Ray picks the
 replica with the lowest queue length inside the first group that has one with room
 (queue < max_ongoing_requests):
@@ -111,7 +112,7 @@ class BucketRouterConfig(BaseModel):
     """Absolute queue-length threshold; overrides spill_fraction."""
     spill_patches: int | None = Field(default=None, ge=0)
     """Owner saturated when this router has >= this many patches in flight on it; None: 2 x the
-    largest budget, 0: off."""
+    largest budget or 2 x the replicas' published batch limit, the larger; 0: off."""
     idle_spill_queue_len: int | None = Field(default=2, ge=1)
     """Work conservation: when every unsaturated owner has at least this many requests (a batch running
     and one waiting), a non-owner with none at all takes the request before the owners queue it; None:
@@ -137,6 +138,7 @@ class RoutingPlan:
     table_source: Literal["replicas", "config", "default"]
     owners: dict[BucketKey, frozenset[ReplicaID]]
     not_ready: frozenset[ReplicaID]
+    max_batch_patches: int = 0  # the largest batch a replica published (0: none did)
 
 
 # -- the router -------------------------------------------------------------------------------------------
@@ -264,7 +266,7 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
 
     def _build_plan(self, replicas: Sequence[RunningReplica], key: tuple[ReplicaID, ...]) -> RoutingPlan:
         tables: Counter[BucketTable] = Counter()
-        not_ready = set()
+        not_ready, max_batch = set(), 0
         for replica in sorted(replicas, key=lambda r: r.replica_id.unique_id):
             stats_dict = published(replica)
             if not stats_dict:
@@ -280,6 +282,7 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
                 continue
             if not stats.ready:
                 not_ready.add(replica.replica_id)
+            max_batch = max(max_batch, stats.max_batch_patches or 0)
         if tables:
             # Most replicas agree (differences only during a rolling update); ties: lowest replica id.
             table, source = tables.most_common(1)[0][0], "replicas"
@@ -293,6 +296,7 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
             table_source=source,
             owners={bucket: frozenset(by_uid[uid] for uid in uids) for bucket, uids in owners.items()},
             not_ready=frozenset(not_ready),
+            max_batch_patches=max_batch,
         )
 
     def bucket_for(self, plan: RoutingPlan, size: tuple[int, int]) -> BucketKey:
@@ -305,8 +309,10 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
         return max(1, math.ceil(self._config.spill_fraction * replica.max_ongoing_requests))
 
     def spill_patches(self, plan: RoutingPlan) -> int:
+        """Two full batches in flight on one replica: 2 x its largest bucket, or 2 x its batch limit where that is
+        larger (on a CPU one call of 2048 patches filled the 2 x 1024 of its buckets, so every other call spilled)."""
         configured = self._config.spill_patches
-        return 2 * plan.table.largest.budget if configured is None else configured
+        return 2 * max(plan.table.largest.budget, plan.max_batch_patches) if configured is None else configured
 
     def is_saturated(self, replica: RunningReplica, plan: RoutingPlan) -> bool:
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)  # None: unknown, Ray will probe

@@ -35,6 +35,9 @@ STATS_QUEUED_BY_BUCKET = "queued_by_bucket"
 """`{budget: requests queued or running}` on the replica (informational)."""
 STATS_READY = "ready"
 """False while the replica cannot serve; the router ranks it last."""
+STATS_MAX_BATCH_PATCHES = "max_batch_patches"
+"""Patches the replica runs in one batch (its callers send calls up to this size): the router's unit of
+in-flight work, where it exceeds the largest bucket (a CPU replica runs 8192 patches over 1024-patch buckets)."""
 
 
 class BucketRoutingStats(BaseModel):
@@ -45,6 +48,7 @@ class BucketRoutingStats(BaseModel):
     buckets: tuple[tuple[int, int] | int, ...] = Field(min_length=1)
     queued_by_bucket: dict[int, int] = Field(default_factory=dict)
     ready: bool = True
+    max_batch_patches: int | None = Field(None, ge=1)
 
     @field_validator("buckets", mode="before")
     @classmethod
@@ -55,12 +59,17 @@ class BucketRoutingStats(BaseModel):
 
     @classmethod
     def from_table(
-        cls, table: BucketTable, queued_by_bucket: Mapping[int, int] | None = None, ready: bool = True
+        cls,
+        table: BucketTable,
+        queued_by_bucket: Mapping[int, int] | None = None,
+        ready: bool = True,
+        max_batch_patches: int | None = None,
     ) -> BucketRoutingStats:
         return cls(
             buckets=tuple((k.budget, k.max_images) for k in table.keys),
             queued_by_bucket=dict(queued_by_bucket or {}),
             ready=ready,
+            max_batch_patches=max_batch_patches,
         )
 
     def table(self) -> BucketTable:
@@ -78,6 +87,7 @@ class BucketRoutingStats(BaseModel):
             STATS_BUCKETS: [list(b) if isinstance(b, tuple) else b for b in self.buckets],
             STATS_QUEUED_BY_BUCKET: dict(self.queued_by_bucket),
             STATS_READY: self.ready,
+            **({STATS_MAX_BATCH_PATCHES: self.max_batch_patches} if self.max_batch_patches else {}),
         }
 
 

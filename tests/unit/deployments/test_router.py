@@ -130,6 +130,33 @@ def test_spill_by_patches_in_flight():
     run(body())
 
 
+def test_spill_by_patches_counts_whole_batches_where_they_exceed_the_buckets():
+    """A CPU replica runs batches of 8192 patches over buckets of at most 1024 (the ingress sends calls that big):
+    the default limit is two of its batches. Broken: 2 x 1024, so one 2048-patch call saturated its owner and
+    the next call of that size spilled to the other replica (b, a, b, ...)."""
+
+    async def body():
+        router = make_router(spill_queue_len=100)
+        cpu = BucketRoutingStats.from_table(BucketTable.from_budgets([256, 1024]), max_batch_patches=8192).to_dict()
+        assert cpu["max_batch_patches"] == 8192
+        router.update_replicas([FakeReplica("a", cpu, max_ongoing=100), FakeReplica("b", cpu, max_ongoing=100)])
+        await settle(router)
+        assert router.spill_patches(router.plan(router._replicas_list)) == 2 * 8192
+        chosen = []
+        for _ in range(4):  # 2048-patch calls, each booked as Ray books it: 8192 in flight, under two batches
+            pr = request(2048)
+            replica = await router._choose_replica_for_request(pr)
+            router.on_request_routed(pr, replica.replica_id, FakeResult())
+            chosen.append(replica.uid)
+        assert len(set(chosen)) == 1, chosen  # no spill
+        # replicas that publish no batch limit (older ones): the buckets' rule
+        plain = BucketRoutingStats.from_table(BucketTable.from_budgets([256, 1024])).to_dict()
+        router.update_replicas([FakeReplica("c", plain), FakeReplica("d", plain)])
+        assert router.spill_patches(router.plan(router._replicas_list)) == 2 * 1024
+
+    run(body())
+
+
 def test_replica_removal_and_addition():
     async def body():
         router = make_router()
