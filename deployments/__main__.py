@@ -69,6 +69,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    # The main thread stops Serve and Ray in order on the first SIGINT / SIGTERM (a second one skips the drain).
+    # Installed first: a signal while the model is checked or Ray starts is kept, whatever the launcher inherited
+    # (a process started in the background by a non-interactive shell inherits SIGINT ignored: a Ctrl-C sent to
+    # its group in its first seconds was lost and the service started); and again after ray.init: Ray's core
+    # worker installs its own SIGTERM handler (sys.exit(15)).
+    stop = threading.Event()
+
+    def on_signal(*_):
+        if stop.is_set():  # a second signal: skip the drain
+            raise KeyboardInterrupt
+        stop.set()
+
+    def handle_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    handle_signals()
     from .application import build_app
     from .config import AppArgs
     from .shutdown import drain, drain_timeout
@@ -83,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     except AppConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return USAGE_EXIT
+    except KeyboardInterrupt:  # a second signal before Ray started: nothing to stop
+        return 0
+    if stop.is_set():  # a signal while the application was checked: Ray is not started
+        return 0
 
     import ray
     from ray import serve
@@ -94,25 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         quiet_token_auth_notice,
     )
 
-    stop = threading.Event()
     quiet_token_auth_notice()  # token authentication stays on; Ray's notice of it at every start goes
     quiet_serve_shutdown_notice()  # and its "controller failed" line at every stop
     quiet_serve_noise()  # and serve.run's "new http_options will not be applied" after our serve.start applied them
     no_driver_stack_dump()  # a SIGTERM while Ray starts: no absl stack dump and abort (exit 134)
-
-    # The main thread stops Serve and Ray in order on the first SIGINT / SIGTERM. Installed before ray.init, so
-    # a signal while Ray starts is kept (it was lost: the service then started and ran), and again after it:
-    # Ray's core worker installs its own SIGTERM handler (sys.exit(15)).
-    def on_signal(*_):
-        if stop.is_set():  # a second signal: skip the drain
-            raise KeyboardInterrupt
-        stop.set()
-
-    def handle_signals() -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
-
-    handle_signals()
     try:
         ray.init(address=address, namespace="serve")
     except KeyboardInterrupt:

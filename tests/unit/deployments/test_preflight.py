@@ -230,3 +230,37 @@ def test_a_signal_while_ray_starts_stops_the_launcher_once_ray_is_up(sig, monkey
         for s, handler in saved.items():
             signals.signal(s, handler)
     assert calls == ["ray.init", "ray.shutdown"]
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_a_signal_while_the_application_is_checked_starts_nothing(inherited, monkeypatch):
+    """Broken: the launcher installed its handlers only after checking the application. Started in the background
+    by a non-interactive shell (SIGINT inherited ignored), a Ctrl-C to its group in its first ~2 s was lost and
+    the service started (measured: it ran until a second one); in a terminal the same Ctrl-C ended it with a
+    KeyboardInterrupt traceback. Now nothing starts, exit 0."""
+    import os
+    import signal as signals
+
+    import ray
+
+    from deployments import __main__ as launcher
+    from deployments import application
+
+    calls, saved = [], {s: signals.getsignal(s) for s in (signals.SIGINT, signals.SIGTERM)}
+    real_build_app = application.build_app
+
+    def build_app(values):
+        calls.append("build_app")
+        os.kill(os.getpid(), signals.SIGINT)  # the Ctrl-C, while the model is checked
+        return real_build_app(values)
+
+    monkeypatch.setattr(application, "build_app", build_app)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append("ray.init"))
+    monkeypatch.setattr(launcher, "ray_address", lambda given: "local")
+    try:
+        signals.signal(signals.SIGINT, signals.SIG_IGN if inherited == "ignored" else signals.default_int_handler)
+        assert launcher.main(["--port", str(free_port()), "model=tiny"]) == 0
+    finally:
+        for s, handler in saved.items():
+            signals.signal(s, handler)
+    assert calls == ["build_app"]
