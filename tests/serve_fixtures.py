@@ -11,6 +11,7 @@ down itself is fine: the next `start_serve()` starts it again. Serve's HTTP prox
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,29 @@ import ray
 from ray import serve
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to `bind(0)` (Linux's `ip_local_port_range`; 32768 where unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A free local TCP port below the kernel's ephemeral range. A port from `bind(0)` is one the kernel hands out
+    again to the next `bind(0)`, and Ray's GCS, raylets, agents and workers bind that way: a `serve run` whose port
+    was chosen so once failed "Failed to bind to address 127.0.0.1:42129", a Ray process of another case having
+    taken it in the seconds before the service bound it. Below the range only an explicit bind takes a port."""
+    low, rng = _ephemeral_low(), random.Random()
+    for _ in range(200) if low > 20_001 else ():
+        port = rng.randrange(20_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
