@@ -75,7 +75,9 @@ class ModelArgs(BaseModel):
             return self.served_model_name
         if os.path.isdir(self.model):
             return os.path.basename(os.path.normpath(self.model))
-        return self.model.split("@", 1)[0] if self.model not in PRESETS else self.model
+        from encoder.hub import parse_hub_id  # huggingface_hub: only where the name is not pinned yet
+
+        return (parse_hub_id(self.model) or (self.model,))[0]
 
     @property
     def random_weights(self) -> bool:
@@ -261,12 +263,10 @@ class IngressArgs(BaseModel):
         60.0, gt=0, description="Per request, body read to response; past it 504 (408 if the body was still coming)."
     )
     drain_grace_s: float = Field(
-        5.0,
-        ge=0,
-        le=600,
-        description="Shutdown: how long an ingress replica still admits new requests after /health turns 503, for "
-        "requests on their way and load balancers that poll /health less often (1 s at most where it was idle).",
-    )
+        5.0, ge=0, le=600, description="Shutdown: how long an ingress replica still admits new requests after "
+        "/health turns 503, for requests on their way and load balancers that poll /health less often (1 s at most "
+        "where it was idle).",
+    )  # fmt: skip
     encoder_retries: int = Field(
         3, ge=0, description="Retries of an encoder call whose replica died or is unavailable (encoding is idempotent)."
     )

@@ -3,7 +3,6 @@ of that name would shadow the `deployments.app` attribute that `serve run deploy
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import ray
@@ -23,13 +22,10 @@ from .shutdown import in_serve_run, install_signal_drain
 logger = logging.getLogger("ray.serve")
 
 
-def check_router_kwargs(router_class: str | None, kwargs: dict) -> None:
+def check_router_kwargs(routing: RequestRouterConfig, kwargs: dict) -> None:
     """A router class that can check its `request_router_kwargs` (a static `check_kwargs(kwargs)`, as
     `router.BucketRouter` has) checks them here; AppConfigError names the bad one."""
-    if not router_class:
-        return
-    module, _, name = router_class.partition(":") if ":" in router_class else router_class.rpartition(".")
-    check = getattr(getattr(importlib.import_module(module), name), "check_kwargs", None)
+    check = getattr(routing.get_request_router_class(), "check_kwargs", None)
     if check is None:
         return
     try:
@@ -73,7 +69,7 @@ def build_app(args: dict | AppArgs | None = None):
         routing = RequestRouterConfig(request_routing_stats_period_s=a.routing_stats_period_s, **router)
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
         raise AppConfigError(f"request_router_class {a.request_router_class!r}: {reason(exc)}") from None
-    check_router_kwargs(a.request_router_class, a.request_router_kwargs)
+    check_router_kwargs(routing, a.request_router_kwargs)
     encoder = EncoderReplica.options(
         name=ENCODER_NAME,
         num_replicas=a.num_replicas,

@@ -96,7 +96,4 @@ class HandleCalls:
             raise
         finally:
             admission.leave(ticket)
-            if outcome == DISCONNECTED:
-                telemetry.disconnected("handle", n_images, patches, time.perf_counter() - started)
-            else:
-                telemetry.request("handle", outcome, n_images, patches, time.perf_counter() - started)
+            telemetry.request("handle", outcome, n_images, patches, time.perf_counter() - started)

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from .config import AppArgs
 from .decoding import IngressDecoder
 from .encoder_calls import EncoderClient
-from .errors import ErrorCode, RequestError, classify, shown
+from .errors import DISCONNECTED, ErrorCode, RequestError, classify, shown
 from .limits import Admission, Ticket, check_content_type, header_bytes, read_body
 from .memory import MemoryTrimmer
 from .metrics import IngressTelemetry
@@ -121,7 +121,7 @@ class HttpRoutes:
             telemetry.request("http", "ok", n_images, patches, time.perf_counter() - started)
             return Response(content=content, media_type="application/json")
         except asyncio.CancelledError:  # the client went away (mid-body: `limits.read_body`); Serve cancelled us
-            telemetry.disconnected("http", n_images, patches, time.perf_counter() - started)
+            telemetry.request("http", DISCONNECTED, n_images, patches, time.perf_counter() - started)
             raise
         except Exception as e:
             if isinstance(e, ClientDisconnect):  # gone before its body arrived (e.g. short of its Content-Length)

@@ -39,13 +39,15 @@ WireLLM = tuple[np.ndarray, list[np.ndarray], tuple[int, int, int]]
 
 def check_dtype(dtype: str) -> str:
     """The wire dtype's name, checked; anything else (a numpy or torch dtype included) is named by its type."""
-    if not isinstance(dtype, str) or dtype not in EMBEDDING_DTYPES:
-        text = repr(dtype)[:40] if isinstance(dtype, str) else str(dtype)
-        shown = text if isinstance(dtype, str) else f"of type {type(dtype).__name__}"
-        if not isinstance(dtype, str) and " at 0x" not in text and len(text) <= 40:  # np.float16, torch.float16
-            shown += f" ({text})"
-        raise InvalidArgumentError(f"unknown dtype {shown}; expected one of {', '.join(EMBEDDING_DTYPES)} (a string)")
-    return dtype
+    if isinstance(dtype, str) and dtype in EMBEDDING_DTYPES:
+        return dtype
+    if isinstance(dtype, str):
+        named = repr(dtype)[:40]
+    else:
+        named, text = f"of type {type(dtype).__name__}", str(dtype)
+        if " at 0x" not in text and len(text) <= 40:  # np.float16, torch.float16: their names help
+            named += f" ({text})"
+    raise InvalidArgumentError(f"unknown dtype {named}; expected one of {', '.join(EMBEDDING_DTYPES)} (a string)")
 
 
 def wire_itemsize(dtype: str) -> int:

@@ -120,12 +120,10 @@ class IngressTelemetry:
         self.counts[_ANSWER_COUNTS[outcome]] += 1
 
     def request(self, route: str, outcome: str, images: int, patches: int, seconds: float) -> None:
+        """A request done, by outcome; `DISCONNECTED`: its caller went away (cancelled by Serve), never answered."""
+        if outcome == DISCONNECTED:
+            self.counts["disconnected"] += 1
         self.metrics.request(route, outcome, images, patches, seconds)
-
-    def disconnected(self, route: str, images: int, patches: int, seconds: float) -> None:
-        """A request whose caller went away (the request task cancelled by Serve): counted, never answered."""
-        self.counts["disconnected"] += 1
-        self.request(route, DISCONNECTED, images, patches, seconds)
 
     def snapshot(self) -> dict:
         return dict(self.counts) | {"timings_ms": {route: t.p50_ms() for route, t in self.timings.items()}}
