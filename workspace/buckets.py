@@ -164,6 +164,12 @@ class BucketTable:
     def parse(cls, spec: str | Iterable[int], **kwargs) -> BucketTable:
         """Table from a list of ints, "256,1024,4096" or "pow2:256-32768"; kwargs go to from_budgets."""
         if not isinstance(spec, str):
+            # bytes would iterate as their character codes (b"256" -> budgets 50, 53, 54); an int is not a list
+            if isinstance(spec, bytes | bytearray) or not isinstance(spec, Iterable):
+                raise BucketError(
+                    f"bad bucket spec {spec!r}: expected a string such as '256,1024,4096' or 'pow2:256-32768', "
+                    "or a list of budgets"
+                )
             return cls.from_budgets(list(spec), **kwargs)
         text = spec.strip()
         if text.lower().startswith("pow2"):

@@ -136,6 +136,9 @@ def test_parse_forms_agree():
         ("pow2:256-1000", "power of two"),
         ([], "at least one"),
         ([256, "1024"], "positive int"),
+        (1024, "bad bucket spec 1024"),  # a single budget, not a spec: was a bare TypeError
+        (b"256", "bad bucket spec b'256'"),  # was read as the character codes: budgets 50, 53, 54
+        (None, "bad bucket spec None"),
     ],
 )
 def test_parse_errors(spec, message):
