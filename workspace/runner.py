@@ -2,9 +2,9 @@
 
 Every bucket of the table is captured in the constructor, largest first, into one shared memory
 pool. A batch is split into packs (`BucketTable.pack`); each pack is written into its bucket's
-`Workspace` and replayed. Packs no bucket fits (an image above the largest budget or above the
-per-image bound) run eagerly through the same body. Without CUDA nothing is captured and every
-pack runs that body eagerly, so CPU tests exercise packing, padding and geometry.
+`Workspace` and replayed. Images no bucket takes (above the largest budget or the per-image bound,
+or of several frames) run eagerly, each alone, through the same body. Without CUDA nothing is
+captured and every pack runs that body eagerly, so CPU tests exercise packing, padding and geometry.
 
 The runner knows no tower family: it talks to the tower only through `encoder.tower.GraphTower`
 (static bounds per bucket, a capture geometry, the body, the outputs it writes). A fixed-resolution
@@ -179,8 +179,27 @@ class GraphRunner:
         self.stats.capture_bytes = torch.cuda.memory_reserved(self.device) - before - ws_bytes
 
     # -- running a batch ---------------------------------------------------------------------
-    def _fits(self, pack: Pack, counts: list[int]) -> bool:
-        return pack.key is not None and all(counts[i] <= self.max_image_patches for i in pack.indices)
+    def _packs(self, counts: list[int], grid: list[list[int]]) -> list[Pack]:
+        """The table's packs, where an image no graph takes (above the per-image bound, or of several frames)
+        leaves its pack for an eager pack of its own; the images on either side of it keep their bucket."""
+        packs: list[Pack] = []
+        for pack in self.table.pack(counts):
+            alone = [i for i in pack.indices if counts[i] > self.max_image_patches or grid[i][0] != 1]
+            if pack.key is None or not alone:
+                packs.append(pack)
+                continue
+            run: list[int] = []
+            for i in (*pack.indices, None):
+                if i is not None and i not in alone:
+                    run.append(i)
+                    continue
+                if run:  # part of a pack that fit: fits a bucket
+                    total = sum(counts[j] for j in run)
+                    packs.append(Pack(self.table.bucket_for(total, len(run)), tuple(run), total))
+                    run = []
+                if i is not None:
+                    packs.append(Pack(None, (i,), counts[i]))
+        return packs
 
     def run(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Tokens per image ([n_i, out_dim] each, device, model dtype) and means [N, out_dim] float32."""
@@ -200,8 +219,8 @@ class GraphRunner:
         out_pooled: list[torch.Tensor | None] = [None] * n
         out_deep: list[list[torch.Tensor]] = [[] for _ in range(n)]
         with self._lock:
-            for pack in self.table.pack(counts):
-                in_bucket = self._fits(pack, counts) and all(grid[i][0] == 1 for i in pack.indices)
+            for pack in self._packs(counts, grid):
+                in_bucket = pack.key is not None
                 run = self._run_bucket if in_bucket else self._run_eager
                 toks, means, pooled, deep = run(pack, pixel_values, grid, starts)
                 for j, i in enumerate(pack.indices):

@@ -51,10 +51,11 @@ class PairSumTower(nn.Module):
 
 def reference(tower: PairSumTower, grids, pv) -> list[torch.Tensor]:
     outs, start = [], 0
-    for _, h, w in grids:
-        n = h * w
-        outs.append(tower.proj(pv[start : start + n].view(-1, 2, 6).sum(1)) + n)
-        start += n
+    for t, h, w in grids:
+        n = h * w  # per frame
+        frames = [tower.proj(pv[start + f * n : start + (f + 1) * n].view(-1, 2, 6).sum(1)) + n for f in range(t)]
+        outs.append(torch.cat(frames))
+        start += t * n
     return outs
 
 
@@ -100,6 +101,24 @@ def test_a_bucket_has_graph_shapes_by_longest_image():
     runner.run_all(batch.pixel_values, batch.grid_thw)
     (used,) = runner.workspaces
     assert (used.max_images, used.bounds.max_seqlen) == (4, 256)
+
+
+@torch.no_grad()
+def test_an_image_no_graph_takes_runs_alone():
+    """An image over the per-image bound, or of several frames, runs eagerly on its own: the images packed
+    with it still replay in their buckets (one such image sent its whole pack, up to max_images, eager)."""
+    tower = PairSumTower()
+    runner = GraphRunner(tower, BucketTable.parse("64"), max_image_patches=16)
+    grids = [[1, 2, 4], [1, 2, 4], [1, 4, 6], [1, 2, 2], [2, 2, 2], [1, 2, 2]]  # 24 > 16 patches; 2 frames
+    batch = random_batch(grids, 6, seed=3)
+    out = runner.run_all(batch.pixel_values, batch.grid_thw)
+    ref = reference(tower, grids, batch.pixel_values)
+    for got, want, mean in zip(out.tokens, ref, out.means, strict=True):
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(mean, want.mean(0))
+    s = runner.stats
+    assert (s.eager_runs, dict(s.replays)) == (2, {64: 3})  # [0, 1], [3], [5] replay; 2 and 4 alone
+    assert (s.images, s.real_patches, s.padded_patches) == (6, 8 + 8 + 24 + 4 + 8 + 4, 3 * 64 - 16 - 4 - 4)
 
 
 def test_runner_refuses_what_is_not_a_tower():
