@@ -10,6 +10,7 @@ import torch
 
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
 from encoder.attention import describe_backend, graph_token_cap
+from encoder.errors import InvalidArgumentError
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
 from workspace.runner import GraphRunner
@@ -163,6 +164,9 @@ class GraphEncoder:
         """`encode_llm` without waiting for the device (see `encode_async`): one copy to pinned host memory,
         cast to `dtype` on the device first (bfloat16 from a bf16 tower: its own values, half the bytes to
         copy, and no cast left for the host)."""
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            shown = f"{type(dtype).__name__} {dtype!r}" if not isinstance(dtype, torch.dtype) else str(dtype)
+            raise InvalidArgumentError(f"dtype must be a floating-point torch.dtype (torch.float32, ...), got {shown}")
         batch = images if isinstance(images, PatchBatch) else self.preprocess(images)
         if batch.num_images == 0:
             return PendingLLM(None, None, [], 0, [])

@@ -156,3 +156,11 @@ def test_encode_llm_in_16_bit_is_the_rounded_float32(pair):
             assert g.tokens.dtype == dtype and g.grid_thw == w.grid_thw
             assert torch.equal(g.tokens, w.tokens.to(dtype))
             assert all(torch.equal(a, b.to(dtype)) for a, b in zip(g.deepstack, w.deepstack, strict=True))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.int8])
+def test_encode_llm_refuses_a_dtype_that_is_not_a_float_type(pair, dtype):
+    """A string raised torch's "Invalid device string: 'bfloat16'"; an integer type returned truncated outputs."""
+    enc, graph = pair
+    with pytest.raises(encoder.InvalidArgumentError, match="floating-point torch.dtype"):
+        graph.encode_llm(random_batch([[1, 4, 4]], enc.config.patch_dim, seed=0), dtype)
