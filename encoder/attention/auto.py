@@ -88,6 +88,17 @@ def describe_backend(backend: AttentionBackend) -> str:
     return backend.describe() if isinstance(backend, AutoAttention) else backend.name
 
 
+def _kind_choice(kind: str, name) -> str:
+    """A mapping's value for one kind: a backend name, or "auto" (also for None or "", as at the top level)."""
+    if name is None or name == "":
+        return "auto"
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"attention for the {kind!r} layers must be a backend name or 'auto', not {type(name).__name__}"
+        )
+    return name
+
+
 def resolve_attention(
     attention: str | Mapping[str, str] | None,
     kinds: tuple[str, ...],
@@ -99,18 +110,19 @@ def resolve_attention(
 
     `attention`: None or "auto" (the fastest usable per kind and shape; on CPU that is the sdpa
     reference), a backend name (forced for every kind), or a mapping kind -> name / "auto" (kinds it
-    leaves out are "auto"). A named backend that cannot run here, or this model, is a `ConfigError`
+    leaves out, or maps to None, are "auto"). A named backend that cannot run here, or this model, is a `ConfigError`
     naming it; "auto" never fails where sdpa runs."""
     if attention is None or isinstance(attention, str):
         per_kind = {kind: attention or "auto" for kind in kinds}
     elif isinstance(attention, Mapping):
-        unknown = sorted(set(attention) - set(kinds))
+        # keys compared and listed as given: a non-string key is named by its type, never by its repr
+        unknown = sorted(repr(k) if isinstance(k, str) else type(k).__name__ for k in attention if k not in kinds)
         if unknown:
             raise ConfigError(
-                f"attention names layer kinds {unknown}; this model has {list(kinds)} "
+                f"attention names layer kinds [{', '.join(unknown)}]; this model has {list(kinds)} "
                 "(use one backend name, 'auto', or a mapping of those kinds)"
             )
-        per_kind = {kind: attention.get(kind, "auto") for kind in kinds}
+        per_kind = {kind: _kind_choice(kind, attention.get(kind)) for kind in kinds}
     else:
         raise ConfigError(
             f"attention must be a backend name, 'auto' or a mapping kind -> name, not {type(attention).__name__}"

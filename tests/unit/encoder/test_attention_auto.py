@@ -105,3 +105,23 @@ def test_attention_plan_without_weights_gives_the_graph_token_cap():
     enc = encoder.load("tiny", device="cpu")
     assert graph_token_cap(plan) == graph_token_cap(enc.model.backends) == SdpaAttention.max_graph_tokens
     assert graph_token_cap({"full": Recording("triton")}) is None
+
+
+def test_per_kind_values_that_are_not_names():
+    """A kind mapped to None (or "") is `auto`, as at the top level, never the slow reference forced; any other
+    non-string value, or a non-string kind, is a ConfigError naming the kind and the type, never a TypeError
+    or an object repr."""
+    kinds, cpu = ("full", "window"), torch.device("cpu")
+    for empty in (None, ""):
+        got = resolve_attention({"full": empty, "window": "sdpa"}, kinds, cpu, torch.float32, 16)
+        assert isinstance(got["full"], AutoAttention) and got["window"].name == "sdpa"
+    for value, type_name in ((["sdpa"], "list"), (3, "int"), (object(), "object")):
+        with pytest.raises(ConfigError) as info:
+            resolve_attention({"window": value}, kinds, cpu, torch.float32, 16)
+        msg = str(info.value)
+        assert "'window' layers" in msg and f"not {type_name}" in msg and " at 0x" not in msg
+    with pytest.raises(ConfigError, match=r"layer kinds \['windows', int\]; this model has") as info:
+        resolve_attention({1: "sdpa", "windows": "sdpa"}, kinds, cpu, torch.float32, 16)
+    with pytest.raises(ConfigError, match=r"layer kinds \[object\]") as info:
+        resolve_attention({object(): "sdpa"}, kinds, cpu, torch.float32, 16)
+    assert " at 0x" not in str(info.value)
