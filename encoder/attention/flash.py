@@ -27,6 +27,10 @@ from .torch_varlen import _keep_real_rows
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _version(capability: tuple[int, int]) -> str:
+    return f"{capability[0]}.{capability[1]}"  # (9, 0) -> "9.0", as NVIDIA writes it
+
+
 class _FlashVarlenBase(AttentionBackend):
     _module: str = ""  # package exposing flash_attn_varlen_func
     _min_capability: tuple[int, int] = (8, 0)
@@ -56,6 +60,10 @@ class _FlashVarlenBase(AttentionBackend):
             return loaded
         if not torch.cuda.is_available():
             return f"{cls._module} needs a CUDA device"
+        caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        if caps and max(caps) < cls._min_capability:
+            need, have = _version(cls._min_capability), ", ".join(_version(c) for c in sorted(caps))
+            return f"{cls.name} needs a GPU of compute capability >= {need}; the GPUs here have {have}"
         return None
 
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -68,7 +76,8 @@ class _FlashVarlenBase(AttentionBackend):
             return f"{self.name} needs head_dim a multiple of 8 and <= 256, got {head_dim}"
         cap = torch.cuda.get_device_capability(device)
         if cap < self._min_capability:
-            return f"{self.name} needs compute capability >= {self._min_capability}, device has {cap}"
+            need, have = _version(self._min_capability), _version(cap)
+            return f"{self.name} needs compute capability >= {need}, device has {have}"
         return None
 
     def forward(self, q, k, v, cu_seqlens, max_seqlen, out):

@@ -176,6 +176,28 @@ def test_flash_backends_refuse_fp32_and_cpu():
         assert "CUDA" in cls().supports(torch.device("cpu"), torch.float16, 80)
 
 
+def test_hopper_only_backends_unavailable_on_older_gpus(monkeypatch):
+    """fa3/fa4 where their package imports but every GPU is pre-Hopper: unavailable, with the reason (they were
+    listed as usable there, so `encoder.load(attention="fa4")` and the `available` lists disagreed); compute
+    capabilities read "9.0", not a tuple's repr."""
+    from encoder.attention import flash
+
+    caps = {0: (8, 0), 1: (8, 6)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: caps[getattr(d, "index", d) or 0])
+    for cls in (flash.FlashAttn2, flash.FlashAttn3, flash.FlashAttn4):
+        monkeypatch.setattr(cls, "_loaded", (lambda *args, **kwargs: None, True))  # the package "imports"
+    assert flash.FlashAttn2.unavailable_reason() is None  # Ampere is enough for FA2
+    for cls in (flash.FlashAttn3, flash.FlashAttn4):
+        why = cls.unavailable_reason()
+        assert why == f"{cls.name} needs a GPU of compute capability >= 9.0; the GPUs here have 8.0, 8.6"
+        assert cls().supports(torch.device("cuda", 0), torch.bfloat16, 80).endswith(">= 9.0, device has 8.0")
+    caps[1] = (9, 0)  # one Hopper among them: available (`supports` still refuses the older device)
+    assert flash.FlashAttn4.unavailable_reason() is None
+    assert flash.FlashAttn4().supports(torch.device("cuda", 1), torch.bfloat16, 80) is None
+
+
 def test_triton_config_table():
     pytest.importorskip("triton")
     from encoder.attention.triton_varlen import TritonVarlenAttention, pick_config
