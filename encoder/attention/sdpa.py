@@ -21,7 +21,9 @@ class SdpaAttention(AttentionBackend):
     max_graph_tokens = 8192
 
     def forward(self, q, k, v, cu_seqlens, max_seqlen, out):
-        # two static-shape layouts; take the one with fewer score entries
+        # two static-shape layouts; take the one with fewer score entries. A bound of 0 (every segment
+        # empty) is valid: the padded layout keeps one slot per segment so its shapes stay non-empty
+        max_seqlen = max(max_seqlen, 1)
         segments = cu_seqlens.numel() - 1
         if q.shape[0] ** 2 <= (segments + 1) * max_seqlen**2:
             return self._dense(q, k, v, cu_seqlens, out)

@@ -40,6 +40,7 @@ SPLITS = {
     "windows": ([8] * 6, 3, 5, 8),
     "full_block": ([64], 0, 0, None),
     "all_empty": ([0, 0], 1, 8, 16),
+    "all_empty_zero_bound": ([0, 0], 1, 8, 0),  # 0 is an upper bound when every segment is empty
 }
 
 
