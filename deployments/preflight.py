@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from encoder.checkpoint import load_config
-from encoder.config import BUILTIN_ATTENTION, DTYPE_NAMES, VisionConfig
+from encoder.config import BUILTIN_ATTENTION, DTYPE_NAMES, VisionConfig, attention_kinds
 from encoder.errors import CheckpointError, ConfigError
 from encoder.hub import ResolvedModel, resolve_model
 
@@ -76,6 +76,13 @@ def check_encoder_options(config: VisionConfig, buckets=None, dtype=None, attent
     for name in given:
         if name is not None and name not in names:
             raise AppConfigError(f"attention {name!r}: expected one of {', '.join(names)}")
+    if isinstance(attention, dict):
+        kinds = attention_kinds(config)
+        unknown = [kind for kind in attention if kind not in kinds]
+        if unknown:
+            raise AppConfigError(
+                f"attention names layer kinds {', '.join(map(repr, unknown))}: this model has {', '.join(kinds)}"
+            )
     if isinstance(buckets, str):
         try:
             BucketTable.parse(buckets, granule=config.merge_unit, max_images=max_images)

@@ -375,3 +375,11 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
         raise ConfigError(f"invalid vision config: {validation_reason(exc)}") from exc
     except ValueError as exc:
         raise ConfigError(f"invalid vision config: {reason(exc)}") from exc
+
+
+def attention_kinds(config: VisionConfig) -> tuple[str, ...]:
+    """The layer kinds `attention={kind: name}` may name: "full" (every tower), and "window" for a Qwen2.5-VL
+    tower with blocks outside `fullatt_block_indexes`. Here, without torch, so a driver checks them too."""
+    if isinstance(config, Qwen25VLVisionConfig) and len(set(config.fullatt_block_indexes)) < config.depth:
+        return ("full", "window")
+    return ("full",)

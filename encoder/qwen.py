@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionBackend
-from .config import Qwen25VLVisionConfig, VisionConfig
+from .config import Qwen25VLVisionConfig, VisionConfig, attention_kinds
 from .fusion import concat_linears, pad_hidden, pad_linear, round_up
 from .geometry import VisionMeta, compute_meta, count_windows
 from .kernels import add_norm, linear_float32_out, quick_gelu, rotary_qkv, silu_mul
@@ -159,7 +159,7 @@ class QwenVisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg, i in full) for i in range(cfg.depth))
         self.merger = PatchMerger(cfg)
         # Qwen2.5-VL: window attention except at `fullatt_block_indexes`; Qwen2-VL: full everywhere
-        self.attention_kinds = ("full", "window") if len(full) < cfg.depth else ("full",)
+        self.attention_kinds = attention_kinds(cfg)
         self.set_backend(backend)
 
     def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:

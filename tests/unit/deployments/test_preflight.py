@@ -64,6 +64,7 @@ def test_build_app_refuses_bad_arguments_in_one_line():
     [
         ({"dtype": "bf"}, "dtype 'bf': expected one of float32"),
         ({"attention": "bogus"}, "attention 'bogus': expected one of auto, sdpa"),
+        ({"attention": {"windows": "sdpa"}}, "attention names layer kinds 'windows': this model has full, window"),
         ({"buckets": "7"}, "buckets '7': "),  # not a multiple of the model's merge unit (4)
         ({"request_router_class": "no.such:Router"}, "request_router_class 'no.such:Router': "),
         ({"request_router_class": "deployments.router:NoSuch"}, "request_router_class 'deployments.router:NoSuch'"),
@@ -87,6 +88,13 @@ def test_the_drivers_lists_of_names_are_the_encoders():
     from encoder.config import BUILTIN_ATTENTION, DTYPE_NAMES
 
     assert tuple(DTYPES) == DTYPE_NAMES and tuple(_REGISTRY) == BUILTIN_ATTENTION
+    # and the layer kinds a mapping may name are the towers' (built on the meta device: no weights)
+    from encoder.api import attention_plan
+    from encoder.config import attention_kinds
+    from encoder.presets import PRESETS
+
+    for name, config in PRESETS.items():
+        assert tuple(attention_plan(config, "cpu")) == attention_kinds(config), name
     # so the check needs no torch (the drivers import it only when they need it: tests/unit/test_architecture.py)
     code = (
         "import sys\nfrom deployments.preflight import check_encoder_options\nfrom encoder.presets import PRESETS\n"
