@@ -60,6 +60,11 @@ def check_model(model: str, *, weights_elsewhere: bool = False) -> ResolvedModel
         raise AppConfigError(str(exc)) from None
 
 
+def _shown(value) -> str:
+    """A name as the user wrote it, or only its type when it is not a string (never an object's repr)."""
+    return repr(value) if isinstance(value, str) else f"of type {type(value).__name__}"
+
+
 def check_encoder_options(config: VisionConfig, buckets=None, dtype=None, attention=None, max_images=None) -> None:
     """What a driver can check of the encoder's options without torch, before replicas or actors start: the
     dtype's and the attention backends' names and the bucket spec (parsed on the model's merge unit, as the
@@ -73,16 +78,14 @@ def check_encoder_options(config: VisionConfig, buckets=None, dtype=None, attent
     registry = sys.modules.get("encoder.attention.registry")  # loaded: backends registered here count too
     names = ["auto", *(registry.backend_names() if registry else BUILTIN_ATTENTION)]
     given = attention.values() if isinstance(attention, dict) else [attention]
-    for name in given:
-        if name is not None and name not in names:
-            raise AppConfigError(f"attention {name!r}: expected one of {', '.join(names)}")
+    for name in given:  # None or "" is "auto", as in `encoder.load`
+        if name not in (None, "") and name not in names:
+            raise AppConfigError(f"attention {_shown(name)}: expected one of {', '.join(names)}")
     if isinstance(attention, dict):
         kinds = attention_kinds(config)
-        unknown = [kind for kind in attention if kind not in kinds]
+        unknown = [_shown(kind) for kind in attention if kind not in kinds]
         if unknown:
-            raise AppConfigError(
-                f"attention names layer kinds {', '.join(map(repr, unknown))}: this model has {', '.join(kinds)}"
-            )
+            raise AppConfigError(f"attention names layer kinds {', '.join(unknown)}: this model has {', '.join(kinds)}")
     if isinstance(buckets, str):
         try:
             BucketTable.parse(buckets, granule=config.merge_unit, max_images=max_images)

@@ -82,6 +82,23 @@ def test_build_app_refuses_what_would_fail_in_every_replica_in_one_line(args, ex
     assert expected in one_line(info), one_line(info)
 
 
+def test_the_attention_check_names_what_it_refuses_by_type_and_agrees_with_the_encoder_on_empty():
+    """A value or kind that is not a string is named by its type (it showed the object's repr), and "" for a kind
+    is "auto" here as it is in `encoder.load` (the driver refused what every replica would have run)."""
+    from deployments.preflight import check_encoder_options
+    from encoder.presets import PRESETS
+
+    config = PRESETS["tiny"]
+    check_encoder_options(config, attention={"full": "", "window": None})
+    for attention, expected in (
+        ({"full": object()}, "attention of type object: expected one of auto"),
+        ({object(): "sdpa"}, "attention names layer kinds of type object: this model has full, window"),
+    ):
+        with pytest.raises(AppConfigError) as info:
+            check_encoder_options(config, attention=attention)
+        assert expected in one_line(info) and " at 0x" not in one_line(info), one_line(info)
+
+
 def test_the_drivers_lists_of_names_are_the_encoders():
     from encoder.api import DTYPES
     from encoder.attention.registry import _REGISTRY
