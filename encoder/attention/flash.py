@@ -42,8 +42,9 @@ class _FlashVarlenBase(AttentionBackend):
         if cls._loaded is None:
             try:
                 fn = importlib.import_module(cls._module).flash_attn_varlen_func
-            except (ImportError, AttributeError, OSError) as exc:
-                # OSError: the extension's shared library fails to load (CUDA / torch ABI mismatch)
+            except Exception as exc:  # noqa: BLE001 - any failure of an optional package makes it unavailable
+                # OSError: the extension's shared library fails to load (CUDA / torch ABI mismatch); a RuntimeError
+                # or a version check at import would otherwise fail every `available_backends()`, `auto` on CPU too
                 cls._loaded = f"{cls._module} is not importable ({type(exc).__name__}: {exc})"
             else:
                 try:
@@ -123,7 +124,8 @@ class FlashAttn4(_FlashVarlenBase):
         if cls._loaded is None:
             try:
                 interface = importlib.import_module("flash_attn.cute.interface")
-            except (ImportError, AttributeError, OSError) as exc:
+                varlen = interface.flash_attn_varlen_func
+            except Exception as exc:  # noqa: BLE001 - as in _FlashVarlenBase._load
                 cls._loaded = f"flash_attn.cute (flash-attn-4) is not importable ({type(exc).__name__}: {exc})"
                 return cls._loaded
             fwd = getattr(interface, "_flash_attn_fwd", None)
@@ -131,7 +133,7 @@ class FlashAttn4(_FlashVarlenBase):
                 takes_out = fwd is not None and "out" in inspect.signature(fwd).parameters
             except (TypeError, ValueError):
                 takes_out = False
-            cls._loaded = (fwd if takes_out else interface.flash_attn_varlen_func, takes_out)
+            cls._loaded = (fwd if takes_out else varlen, takes_out)
         return cls._loaded
 
     def forward(self, q, k, v, cu_seqlens, max_seqlen, out):

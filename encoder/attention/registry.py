@@ -29,8 +29,8 @@ def _load_class(name: str) -> type[AttentionBackend] | str:
     module_name, _, cls_name = _REGISTRY[name].partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
-    except ImportError as exc:
-        return f"import failed: {exc}"
+    except (ImportError, AttributeError) as exc:  # a registered "module:Class" whose class is not there
+        return f"{_REGISTRY[name]}: import failed ({type(exc).__name__}: {exc})"
     reason = cls.unavailable_reason()
     return reason if reason else cls
 

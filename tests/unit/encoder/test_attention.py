@@ -199,6 +199,31 @@ def test_hopper_only_backends_unavailable_on_older_gpus(monkeypatch):
     assert flash.FlashAttn4().supports(torch.device("cuda", 1), torch.bfloat16, 80) is None
 
 
+def test_a_broken_optional_package_or_registration_is_a_reason_not_a_crash(monkeypatch):
+    """A flash package that raises something other than ImportError at import (a CUDA init RuntimeError, a
+    version check), or a registration naming a class its module lacks: that backend is unavailable with the
+    reason, and `available_backends()` (and so `auto`, on CPU too) still answers. Both raised out of it before."""
+    import importlib
+
+    from encoder.attention import flash, registry
+
+    real = importlib.import_module
+
+    def broken(name, *args, **kwargs):
+        if name.startswith(("flash_attn", "flash_attn_interface")):
+            raise RuntimeError("CUDA driver initialization failed")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    for cls in (flash.FlashAttn2, flash.FlashAttn3, flash.FlashAttn4):
+        monkeypatch.setattr(cls, "_loaded", None)
+    monkeypatch.setitem(registry._REGISTRY, "no_such_class", "encoder.attention.sdpa:NoSuchBackend")
+    reasons = _available_backends()
+    for name in ("flash_attn", "fa3", "fa4"):
+        assert "RuntimeError: CUDA driver initialization failed" in reasons[name], reasons[name]
+    assert "NoSuchBackend" in reasons["no_such_class"] and reasons["sdpa"] is None
+
+
 def test_triton_config_table():
     pytest.importorskip("triton")
     from encoder.attention.triton_varlen import TritonVarlenAttention, pick_config
