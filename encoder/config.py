@@ -328,6 +328,9 @@ QwenVisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | Qwen3VLVisionCon
 VisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | Qwen3VLVisionConfig | ClipVisionConfig | SiglipVisionConfig
 
 _HF_ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
+# the `attribute_map` of transformers' Qwen2-VL .. Qwen3.5 vision configs: these names set num_heads / depth
+# (and win over them, as in transformers); CLIP / SigLIP have real fields of these names
+_QWEN_ATTRIBUTE_MAP = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
 # model types (full VLM and vision tower) of the Qwen3-VL tower; checkpoints written before
 # transformers named the vision configs carry the VLM's type in `vision_config` too
 _QWEN3_VL_TYPES = {"qwen3_vl", "qwen3_vl_vision", "qwen3_vl_moe", "qwen3_vl_moe_vision"}
@@ -361,6 +364,8 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
             "CLIPVisionModelWithProjection / SiglipVisionModel config.json)"
         )
     fields = {_HF_ALIASES.get(k, k): v for k, v in vision.items()}
+    if cls in (Qwen2VLVisionConfig, Qwen25VLVisionConfig, Qwen3VLVisionConfig):
+        fields |= {name: fields[alias] for alias, name in _QWEN_ATTRIBUTE_MAP.items() if alias in fields}
     theta = (fields.get("rope_parameters") or {}).get("rope_theta")
     if theta is not None:
         fields["rope_theta"] = theta

@@ -1,0 +1,58 @@
+"""Qwen3-VL / Qwen3.5 checkpoints whose config.json or preprocessor_config.json is spelled differently
+from what `save_pretrained` writes, but as transformers reads it: our tower and preprocessing must be
+transformers' (tiny float32 checkpoints, CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import encoder
+from tests.graph_cases import rel_err
+from tests.hf_models import _qwen3_classes, hf_features, write_checkpoint
+from tests.unit.encoder.test_qwen3_hf import random_pixels, run
+
+GRID = [[1, 6, 10], [1, 4, 4]]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(directory, HF tower) of a tiny Qwen3-VL VLM as `save_pretrained` wrote it."""
+    directory = tmp_path_factory.mktemp("qwen3_vl")
+    return directory, write_checkpoint(directory, "qwen3_vl", "full", seed=11)
+
+
+def edited_copy(saved, tmp_path, edit) -> str:
+    directory = shutil.copytree(saved[0], tmp_path / "copy")
+    cfg = json.loads((directory / "config.json").read_text())
+    edit(cfg["vision_config"])
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return str(directory)
+
+
+def rename(old: str, new: str):
+    return lambda vision: vision.update({new: vision.pop(old)})
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [rename("num_heads", "num_attention_heads"), rename("depth", "num_hidden_layers")],
+    ids=["num_attention_heads", "num_hidden_layers"],
+)
+def test_attribute_map_names_are_read_as_transformers_reads_them(saved, tmp_path, edit):
+    """HF's Qwen vision configs take `num_attention_heads` / `num_hidden_layers` for `num_heads` /
+    `depth` (their `attribute_map`). Ignoring them ran 16 heads on a 4-head tower (silently other
+    tokens) or built 27 blocks for a 3-block checkpoint (a 'missing weights' error)."""
+    directory = edited_copy(saved, tmp_path, edit)
+    hf_vision = _qwen3_classes("qwen3_vl")[0].from_pretrained(directory).vision_config
+    assert (hf_vision.num_heads, hf_vision.depth) == (4, 3)
+    enc = encoder.load(directory, device="cpu", dtype=torch.float32)
+    pv = random_pixels(GRID, enc.config.patch_dim, seed=1)
+    ref_tokens, ref_deep = hf_features(saved[1], pv, torch.tensor(GRID))
+    out = run(enc.model, pv, GRID)
+    assert rel_err(out.tokens, ref_tokens) <= 1e-5
+    for ours, ref in zip(out.deepstack, ref_deep, strict=True):
+        assert rel_err(ours, ref) <= 1e-5
