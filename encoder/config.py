@@ -366,7 +366,10 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
     fields = {_HF_ALIASES.get(k, k): v for k, v in vision.items()}
     if cls in (Qwen2VLVisionConfig, Qwen25VLVisionConfig, Qwen3VLVisionConfig):
         fields |= {name: fields[alias] for alias, name in _QWEN_ATTRIBUTE_MAP.items() if alias in fields}
-    theta = (fields.get("rope_parameters") or {}).get("rope_theta")
+    rope = fields.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"invalid vision config: rope_parameters must be a JSON object, got {type(rope).__name__}")
+    theta = rope.get("rope_theta")
     if theta is not None:
         fields["rope_theta"] = theta
     if kinds & _QWEN3_5_TYPES:

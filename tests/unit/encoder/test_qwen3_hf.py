@@ -245,6 +245,7 @@ def test_checkpoint_weight_errors(checkpoint, edit, match, tmp_path):
         ({"deepstack_visual_indexes": [0, 3]}, r"(?s)invalid vision config.*deepstack_visual_indexes \[3\] outside"),
         ({"num_position_embeddings": 60}, "(?s)invalid vision config.*not a square grid"),
         ({"hidden_act": "relu"}, "(?s)invalid vision config.*hidden_act"),
+        ({"rope_parameters": "axial"}, "(?s)invalid vision config.*rope_parameters must be a JSON object"),
     ],
 )
 @cases(("qwen3_vl", "full"))
