@@ -125,7 +125,8 @@ def _reject_unsupported(d: dict[str, Any]) -> None:
     for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
         if d.get(flag) is False:
             raise ConfigError(f"preprocessor config sets {flag}=false, which this encoder does not support")
-    if d.get("rescale_factor") is not None and not math.isclose(d["rescale_factor"], 1 / 255):
-        raise ConfigError(f"unsupported rescale_factor {d['rescale_factor']} (only 1/255)")
+    factor = d.get("rescale_factor")
+    if factor is not None and (not isinstance(factor, int | float) or not math.isclose(factor, 1 / 255)):
+        raise ConfigError(f"unsupported rescale_factor {factor!r} (only 1/255)")
     if d.get("resample") not in (None, int(Image.Resampling.BICUBIC)):
         raise ConfigError(f"unsupported resample {d['resample']} (only 3 = bicubic)")

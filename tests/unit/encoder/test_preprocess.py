@@ -356,6 +356,7 @@ def test_from_hf_dict_size_and_precedence():
     [
         ({"do_normalize": False}, "do_normalize"),
         ({"rescale_factor": 1 / 127.5}, "rescale_factor"),
+        ({"rescale_factor": "1/255"}, "unsupported rescale_factor '1/255'"),
         ({"resample": 2}, "resample"),
         ({"min_pixels": -5}, "invalid preprocessor config"),
         ({"size": 5}, "must be a dict"),
