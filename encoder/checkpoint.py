@@ -86,6 +86,10 @@ def read_weight_map(index: Path) -> dict[str, str]:
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+    bad = next((name for name, shard in weight_map.items() if not isinstance(shard, str) or not shard), None)
+    if bad is not None:
+        shown = json.dumps(weight_map[bad])
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names: {bad!r} to {shown}")
     return weight_map
 
 

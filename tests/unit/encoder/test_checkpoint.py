@@ -118,6 +118,18 @@ def test_missing_shard(tmp_path):
         encoder.load(str(d), device="cpu")
 
 
+@pytest.mark.parametrize("shard", [None, 3, ["model-00001-of-00002.safetensors"]])
+def test_index_with_a_shard_name_that_is_not_a_string(tmp_path, shard):
+    d = tmp_path / "sharded"
+    write_checkpoint(d, "qwen2_vl", "vision-sharded")
+    index = d / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][next(iter(data["weight_map"]))] = shard
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: 'weight_map' must map tensor names to "):
+        encoder.load(str(d), device="cpu")
+
+
 def test_missing_weight(good, tmp_path):
     d = copy_dir(good, tmp_path / "d")
     state = load_file(d / "model.safetensors")
