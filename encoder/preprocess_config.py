@@ -110,6 +110,9 @@ class PreprocessConfig(BaseModel):
         }
         for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
             picks[key] = d.get(key)
+        for key in ("image_mean", "image_std"):  # transformers takes one number for every channel
+            if isinstance(picks[key], int | float) and not isinstance(picks[key], bool):
+                picks[key] = (picks[key],) * 3
         kwargs = {k: v for k, v in picks.items() if v is not None} | overrides
         try:
             return cls(**kwargs)

@@ -56,3 +56,21 @@ def test_attribute_map_names_are_read_as_transformers_reads_them(saved, tmp_path
     assert rel_err(out.tokens, ref_tokens) <= 1e-5
     for ours, ref in zip(out.deepstack, ref_deep, strict=True):
         assert rel_err(ours, ref) <= 1e-5
+
+
+def test_scalar_image_mean_and_std_are_per_channel_as_in_transformers():
+    """transformers' image processors take one number for all three channels (`image_mean: 0.5`)."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from encoder.patchify import preprocess
+    from encoder.preprocess_config import PreprocessConfig
+
+    raw = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": 0.25, "image_std": 0.5,
+           "size": {"shortest_edge": 4096, "longest_edge": 65536}}  # fmt: skip
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (90, 170, 3), dtype=np.uint8))
+    ref = Qwen2VLImageProcessorPil(**raw)(images=[image], return_tensors="pt")
+    ours = preprocess([image], PreprocessConfig.from_hf_dict(raw))
+    assert torch.equal(ours.grid_thw, ref["image_grid_thw"])
+    assert (ours.pixel_values - ref["pixel_values"]).abs().max().item() <= 1e-5
