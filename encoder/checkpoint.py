@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
-from .config import VisionConfig, from_hf_dict
+from .config import QwenVisionConfig, VisionConfig, from_hf_dict
 from .errors import CheckpointError, ConfigError, reason
 
 if TYPE_CHECKING:  # torch is imported where weights are read: checking a model (`build_app`'s preflight) needs none
@@ -212,12 +212,23 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
     with torch.no_grad():
         for name, tensor in state.items():
             target = params[name]
-            # the patch embedding is a Conv3d [D, C, T, P, P] in checkpoints, a linear [D, C*T*P*P] here
-            if tensor.shape != target.shape and tensor.numel() == target.numel() and "patch_embed" in name:
+            expected = checkpoint_shape(model, name, tuple(target.shape))
+            if tensor.shape != target.shape and tensor.shape == expected:
                 tensor = tensor.reshape(target.shape)
             if tensor.shape != target.shape:
                 raise CheckpointError(
-                    f"{directory}: weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the config expects {tuple(target.shape)}"
+                    f"{directory}: weight {name!r} has shape {tuple(tensor.shape)}, the config expects {expected}"
                 )
             target.copy_(tensor)
+
+
+def checkpoint_shape(model: torch.nn.Module, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape checkpoints store our parameter `name` (of `shape`) in: the patch embedding, a linear
+    [D, C*T*P*P] here, is a Conv3d [D, C, T, P, P] there (Qwen), a Conv2d [D, C, P, P] (CLIP / SigLIP).
+    Only that layout is reshaped: another of the same size (MLX's channels-last [D, T, P, P, C]) would
+    scramble every patch."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or "patch_embed" not in name or not name.endswith(".weight") or len(shape) != 2:
+        return shape
+    temporal = (cfg.temporal_patch_size,) if isinstance(cfg, QwenVisionConfig) else ()
+    return (shape[0], cfg.in_channels, *temporal, cfg.patch_size, cfg.patch_size)

@@ -74,3 +74,22 @@ def test_scalar_image_mean_and_std_are_per_channel_as_in_transformers():
     ours = preprocess([image], PreprocessConfig.from_hf_dict(raw))
     assert torch.equal(ours.grid_thw, ref["image_grid_thw"])
     assert (ours.pixel_values - ref["pixel_values"]).abs().max().item() <= 1e-5
+
+
+def test_patch_embedding_in_another_layout_is_refused(saved, tmp_path):
+    """The checkpoint's Conv3d kernel is [D, C, T, P, P]; a tensor of the same size in another layout
+    (MLX's channels-last [D, T, P, P, C]) was reshaped into the linear layer without a word: every
+    token wrong. transformers refuses it (size mismatch); so must we, naming the weight."""
+    from safetensors.torch import load_file, save_file
+
+    from encoder import CheckpointError
+
+    directory = shutil.copytree(saved[0], tmp_path / "copy")
+    state = load_file(directory / "model.safetensors")
+    name = "model.visual.patch_embed.proj.weight"
+    assert state[name].shape == (64, 3, 2, 16, 16)
+    state[name] = state[name].permute(0, 2, 3, 4, 1).contiguous()
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    match = r"'patch_embed.proj.weight' has shape \(64, 2, 16, 16, 3\), the config expects \(64, 3, 2, 16, 16\)"
+    with pytest.raises(CheckpointError, match=match):
+        encoder.load(str(directory), device="cpu")
