@@ -155,7 +155,7 @@ class Qwen3VisionTower(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_visual_indexes
         )
-        # block index -> its DeepStack merger (the config's order is the output order)
+        # block index -> its DeepStack merger (config position k); outputs come in block order, as in transformers
         self.deepstack_at = {b: k for k, b in enumerate(cfg.deepstack_visual_indexes)}
         self.set_backend(backend)
 
@@ -197,7 +197,7 @@ class Qwen3VisionTower(nn.Module):
     def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
         """pixel_values [S, C*T*P*P] (HF order; rows past the frames are padding), frames_hw [F, 2]
         int64 (zero rows are empty slots) -> tokens [S / mu, out_dim] in the model dtype, per-slot
-        float32 means [F, out_dim], DeepStack features (each [S / mu, out_dim], the config's order)."""
+        float32 means [F, out_dim], DeepStack features (each [S / mu, out_dim], in block order)."""
         cfg = self.cfg
         total = pixel_values.shape[0]
         assert pixel_values.dim() == 2 and pixel_values.shape[1] == cfg.patch_dim, pixel_values.shape

@@ -93,3 +93,19 @@ def test_patch_embedding_in_another_layout_is_refused(saved, tmp_path):
     match = r"'patch_embed.proj.weight' has shape \(64, 2, 16, 16, 3\), the config expects \(64, 3, 2, 16, 16\)"
     with pytest.raises(CheckpointError, match=match):
         encoder.load(str(directory), device="cpu")
+
+
+def test_deepstack_indexes_out_of_order_come_in_block_order_as_in_transformers(saved, tmp_path):
+    """`deepstack_visual_indexes` [2, 0]: merger k belongs to block indexes[k], and the features come in block
+    order (block 0's first), as transformers emits them and its LLM adds them (feature k after decoder layer k)."""
+    directory = edited_copy(saved, tmp_path, lambda vision: vision.update(deepstack_visual_indexes=[2, 0]))
+    hf_tower = _qwen3_classes("qwen3_vl")[1].from_pretrained(directory).model.visual.eval()
+    enc = encoder.load(directory, device="cpu", dtype=torch.float32)
+    pv = random_pixels(GRID, enc.config.patch_dim, seed=2)
+    ref_tokens, ref_deep = hf_features(hf_tower, pv, torch.tensor(GRID))
+    out = run(enc.model, pv, GRID)
+    _, sorted_deep = hf_features(saved[1], pv, torch.tensor(GRID))  # [0, 2]: other mergers on the same blocks
+    assert len(out.deepstack) == len(ref_deep) == 2 and rel_err(ref_deep[0], sorted_deep[0]) > 1e-2
+    assert rel_err(out.tokens, ref_tokens) <= 1e-5
+    for ours, ref in zip(out.deepstack, ref_deep, strict=True):
+        assert rel_err(ours, ref) <= 1e-5
