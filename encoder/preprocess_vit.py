@@ -187,8 +187,9 @@ class VitPreprocessConfig(BaseModel):
                 raise ConfigError(f"preprocessor config sets {flag}=false, which this encoder does not support")
         if d.get("do_pad"):
             raise ConfigError("preprocessor config sets do_pad=true, which this encoder does not support")
-        if d.get("rescale_factor") is not None and not math.isclose(d["rescale_factor"], 1 / 255):
-            raise ConfigError(f"unsupported rescale_factor {d['rescale_factor']} (only 1/255)")
+        factor = d.get("rescale_factor")
+        if factor is not None and (not isinstance(factor, int | float) or not math.isclose(factor, 1 / 255)):
+            raise ConfigError(f"unsupported rescale_factor {factor!r} (only 1/255)")
         square = bool(d.get("default_to_square", False))  # both processors: an int size is the shortest edge
         size = _size_dict(d.get("size"), square, "size")
         kwargs: dict[str, Any] = {"patch_size": cfg.patch_size}

@@ -220,6 +220,7 @@ def test_preprocessor_config_defaults_and_errors():
         ({"do_normalize": False}, "do_normalize=false"),
         ({"do_pad": True}, "do_pad"),
         ({"rescale_factor": 0.5}, "rescale_factor"),
+        ({"rescale_factor": "1/255"}, "unsupported rescale_factor '1/255'"),  # was a TypeError
         ({"size": {"shortest_edge": 56, "longest_edge": 90}}, "unsupported preprocessor size"),
         ({"size": {"shortest_edge": 112}, "crop_size": 112}, "the model takes 56x56"),
         ({"resample": 9}, "resample"),
