@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InvalidArgumentError
+
 
 @dataclass
 class PatchBatch:
@@ -20,8 +22,30 @@ class PatchBatch:
     grid_thw: torch.Tensor
 
     def __post_init__(self):
-        assert self.pixel_values.dim() == 2, self.pixel_values.shape
-        assert self.grid_thw.dim() == 2 and self.grid_thw.shape[1] == 3, self.grid_thw.shape
+        # a public type (`encode(PatchBatch(...))`): wrong inputs get an error naming the field, not an
+        # AttributeError from `.dim()` or a float grid that fails deep in the geometry
+        if not isinstance(self.pixel_values, torch.Tensor):
+            raise InvalidArgumentError(
+                f"PatchBatch.pixel_values must be a torch.Tensor, not {type(self.pixel_values).__name__}"
+            )
+        if self.pixel_values.dim() != 2 or not self.pixel_values.is_floating_point():
+            raise InvalidArgumentError(
+                "PatchBatch.pixel_values must be a 2-D floating-point tensor [patches, C*T*P*P], got "
+                f"{self.pixel_values.dtype} of shape {list(self.pixel_values.shape)}"
+            )
+        if not isinstance(self.grid_thw, torch.Tensor):  # a list of (t, h, w) rows is taken as given
+            try:
+                self.grid_thw = torch.as_tensor(self.grid_thw, dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise InvalidArgumentError(
+                    f"PatchBatch.grid_thw must be [num_images, 3] integers, not {type(self.grid_thw).__name__}"
+                ) from exc
+        if self.grid_thw.is_floating_point() or self.grid_thw.is_complex() or self.grid_thw.dtype == torch.bool:
+            raise InvalidArgumentError(f"PatchBatch.grid_thw must hold integers, got {self.grid_thw.dtype}")
+        if self.grid_thw.dim() != 2 or self.grid_thw.shape[1] != 3:
+            raise InvalidArgumentError(
+                f"PatchBatch.grid_thw must be [num_images, 3] (t, h, w) rows, got shape {list(self.grid_thw.shape)}"
+            )
 
     @property
     def num_images(self) -> int:

@@ -217,3 +217,25 @@ def test_a_batch_whose_grid_does_not_match_its_patches_is_refused(encoders):
         for rows in (good.pixel_values[:-1], torch.cat([good.pixel_values, good.pixel_values[:1]])):
             with pytest.raises(EncoderError, match="grid_thw does not match the number of patches"):
                 enc.encode(PatchBatch(rows, good.grid_thw), pooling="mean")
+
+
+@pytest.mark.parametrize(
+    "pixel_values, grid_thw, match",
+    [
+        ([[0.0] * 4], [[1, 2, 2]], "pixel_values must be a torch.Tensor, not list"),
+        (torch.zeros(4, 8, dtype=torch.uint8), [[1, 2, 2]], "2-D floating-point tensor"),
+        (torch.zeros(4, 8), torch.tensor([[1.0, 2.0, 2.0]]), "must hold integers, got torch.float32"),
+        (torch.zeros(4, 8), torch.tensor([1, 2, 2]), r"\[num_images, 3\] \(t, h, w\) rows, got shape \[3\]"),
+        (torch.zeros(4, 8), "1,2,2", "grid_thw must be"),
+    ],
+)
+def test_a_patch_batch_built_wrong_names_the_field(pixel_values, grid_thw, match):
+    """`PatchBatch` is public (`encode(PatchBatch(...))`): it asserted (an AttributeError for a list, a bare
+    AssertionError with a shape, or a float grid accepted until the geometry failed)."""
+    with pytest.raises(encoder.InvalidArgumentError, match=match):
+        encoder.PatchBatch(pixel_values, grid_thw)
+
+
+def test_a_patch_batch_takes_its_grid_as_rows():
+    batch = encoder.PatchBatch(torch.zeros(4, 8), [[1, 2, 2]])
+    assert batch.grid_thw.dtype == torch.int64 and batch.patch_counts() == [4]
