@@ -280,7 +280,9 @@ DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float32, torch.bfloat16, to
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
+    if isinstance(dtype, torch.dtype):  # the towers run in these three only (an int or float8 one failed in torch)
+        if dtype not in DTYPES.values():
+            raise ConfigError(f"dtype {dtype} is not supported; expected one of {', '.join(DTYPES)}")
         return dtype
     if not isinstance(dtype, str) or dtype not in DTYPES:
         shown = repr(dtype) if isinstance(dtype, str) else f"of type {type(dtype).__name__}"

@@ -150,6 +150,9 @@ def test_reason_strips_reprs_and_extra_lines():
         {"model": object()},
         {"model": "tiny", "dtype": object()},
         {"model": "tiny", "dtype": "int8"},
+        {"model": "tiny", "dtype": torch.int64},  # torch's bare TypeError from Module.to
+        {"model": "tiny", "dtype": torch.complex64},  # loaded, then NotImplementedError at the first encode
+        {"model": "tiny", "dtype": torch.float8_e4m3fn},
         {"model": "tiny", "device": "gpu"},
         {"model": "tiny", "device": object()},
         {"model": "tiny", "device": "meta"},
