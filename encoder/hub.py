@@ -12,8 +12,8 @@ and what would have been accepted. Resolution order:
    `preprocessor_config.json`), the safetensors index and the shards that hold the vision tower
    (`checkpoint.vision_shards`) are downloaded; pickled weights never are.
 
-Anything else that looks like a path (`/x`, `./x`, `~/x`, `x/y/z`) is a missing directory; what follows an
-`@` is a revision, which may hold `/` (`org/name@refs/pr/12`).
+Anything else that looks like a path (`/x`, `./x`, `~/x`, `x/y/z`), or is a `Path`, is a missing directory; what
+follows an `@` is a revision, which may hold `/` (`org/name@refs/pr/12`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def resolve_model(model: str | Path, *, download_weights: bool = True) -> Resolv
         return ResolvedModel(given, "dir", given, _check_directory(path, given), path=path)
     if path.exists():
         raise ConfigError(f"model {given!r} is a file, not a checkpoint directory; {accepted()}")
-    if _looks_like_path(given):
+    if _looks_like_path(given) or isinstance(model, os.PathLike):  # a Path names a directory, never a Hub id
         raise ConfigError(f"model {given!r}: no such directory; {accepted()}")
     hub = parse_hub_id(given)
     if hub is None:

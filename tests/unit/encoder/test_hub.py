@@ -13,6 +13,7 @@ import shutil
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import huggingface_hub
 import numpy as np
@@ -130,6 +131,16 @@ def test_missing_path(given):
     message = one_line_error(info)
     assert f"'{given}'" in message and "no such directory" in message
     assert "tiny" in message and "config.json" in message and "org/name" in message
+
+
+def test_a_missing_path_object_is_a_missing_directory_not_a_hub_id(fake_download):
+    """`load(model: str | Path)`: a `Path` names a directory. A missing `Path("org/name")` was sent to the Hub
+    as the repository org/name (here the fake Hub's KeyError; online, a download attempt)."""
+    _, calls = fake_download
+    with pytest.raises(ConfigError) as info:
+        encoder.resolve_model(Path("checkpoints/qwen"))
+    assert "'checkpoints/qwen': no such directory" in one_line_error(info)
+    assert calls == []
 
 
 def test_unknown_name_and_empty_model():
