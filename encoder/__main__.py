@@ -55,6 +55,13 @@ def read_files(paths: list[Path]) -> list[bytes]:
     return out
 
 
+def image_name(path: Path) -> str:
+    """The path as given, as text JSON and Parquet can hold: the bytes of a name that is not UTF-8 (a Latin-1
+    `caf\\xe9.png`) as `\\xNN` escapes, not the lone surrogates Python decodes them to, which orjson and pyarrow
+    refuse with a traceback."""
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def preprocess_files(enc: VisionEncoder, paths: list[Path], data: list[bytes]) -> PatchBatch:
     """Each image preprocessed on its own, so an error names its file; then one batch."""
     batches = []
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     grids = [tuple(g) for g in batch.grid_thw.tolist()]
-    results = [ImageEmbedding(str(p), g, o.numpy()) for p, g, o in zip(args.images, grids, outs, strict=True)]
+    results = [ImageEmbedding(image_name(p), g, o.numpy()) for p, g, o in zip(args.images, grids, outs, strict=True)]
     if args.output is None:
         for r in results:
             head = [round(v, 6) for v in r.embedding.reshape(-1)[:SHORT_VALUES].tolist()]

@@ -179,6 +179,21 @@ def test_hub_id_from_the_cache_named_by_the_environment(images, tmp_path):
     assert b"'tiny-org/absent': not in the Hub cache" in bad.stderr and b"HF_HUB_OFFLINE" in bad.stderr
 
 
+def test_a_file_name_that_is_not_utf8_is_written_escaped(images, tmp_path, capsysbinary):
+    """Before the fix: `--output -` and `.parquet` ended in a traceback (orjson's and pyarrow's refusal of the
+    surrogates Python decodes a Latin-1 file name to), after the image was encoded."""
+    try:
+        latin1 = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9.png")
+        Path(latin1).write_bytes(images[0].read_bytes())
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes UTF-8 names only")
+    shown = f"{tmp_path}/caf\\xe9.png"
+    assert run(latin1, "--output", tmp_path / "e.parquet") == 0
+    assert pq.read_table(tmp_path / "e.parquet").column("image").to_pylist() == [shown]
+    assert run(latin1, "--output", "-") == 0
+    assert orjson.loads(capsysbinary.readouterr().out)["image"] == shown
+
+
 def test_help_names_the_formats_and_hub_ids(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--help"])
