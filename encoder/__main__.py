@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -103,17 +104,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     grids = [tuple(g) for g in batch.grid_thw.tolist()]
     results = [ImageEmbedding(image_name(p), g, o.numpy()) for p, g, o in zip(args.images, grids, outs, strict=True)]
-    if args.output is None:
-        for r in results:
-            head = [round(v, 6) for v in r.embedding.reshape(-1)[:SHORT_VALUES].tolist()]
-            short = dict(image=r.image, grid_thw=list(r.grid_thw), shape=list(r.embedding.shape), embedding=head)
-            print(json.dumps(short))
-    else:
-        try:
+    try:
+        if args.output is None:
+            for r in results:
+                head = [round(v, 6) for v in r.embedding.reshape(-1)[:SHORT_VALUES].tolist()]
+                short = dict(image=r.image, grid_thw=list(r.grid_thw), shape=list(r.embedding.shape), embedding=head)
+                print(json.dumps(short), flush=True)
+        else:
             write(results, args.output, sys.stdout.buffer)
-        except OSError as exc:
-            print(f"error: {args.output}: cannot write ({exc.strerror or reason(exc)})", file=sys.stderr)
-            return 2
+    except OSError as exc:
+        if isinstance(exc, BrokenPipeError):  # `... | head`: the reader is gone. Point stdout at /dev/null so
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit cannot fail again
+        print(f"error: {args.output or 'stdout'}: cannot write ({exc.strerror or reason(exc)})", file=sys.stderr)
+        return 2
     wrote = "" if args.output in (None, STDOUT) else f", wrote {args.output}"
     print(
         f"{len(outs)} images, {enc.name} on {enc.device} ({enc.dtype}), pooling {pooling}, "

@@ -199,3 +199,22 @@ def test_help_names_the_formats_and_hub_ids(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert info.value.code == 0 and ".parquet" in out and "org/name" in out
+
+
+@pytest.mark.parametrize("output", [[], ["--output", "-"]], ids=["short", "json-lines"])
+def test_a_reader_that_went_away_is_one_line_not_a_traceback(images, output):
+    """`python -m encoder ... | head`: stdout's reader is gone before the answer is written. Before the fix the
+    short print (no `--output`) ended in a BrokenPipeError traceback and exit 1; `--output -` already gave
+    its one line, and still must."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to stdout now fails with EPIPE
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "encoder", str(images[0]), "--model", "tiny", "--device", "cpu", *output]
+    try:
+        done = subprocess.run(cmd, env=env, stdout=write_end, stderr=subprocess.PIPE, timeout=300)
+    finally:
+        os.close(write_end)
+    lines = done.stderr.decode().strip().splitlines()
+    assert done.returncode == 2, lines
+    assert lines[-1] == "error: " + ("-" if output else "stdout") + ": cannot write (Broken pipe)", lines
+    assert not any("Traceback" in line or "Exception ignored" in line for line in lines), lines
