@@ -10,8 +10,8 @@ Output columns with `pooling="none"` (one row per image; every column null or 0 
   * `grid_thw`: `fixed_size_list<int32>[3]`, the same patch grid as one value `[grid_t, grid_h, grid_w]`.
   * `deepstack` (DeepStack models only, e.g. Qwen3-VL): `list<list<fixed_size_list<float32>[out_dim]>>`,
     `deepstack[k][t]` = DeepStack layer k's feature of token t, layers in block order (the blocks of
-    `deepstack_visual_indexes`, ascending, as transformers emits them); the LLM adds layer k's features at the image positions after decoder
-    layer k.
+    `deepstack_visual_indexes`, ascending, as transformers emits them); the LLM adds layer k's features at
+    the image positions after decoder layer k.
 """
 
 from __future__ import annotations
