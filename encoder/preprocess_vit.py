@@ -203,7 +203,8 @@ class VitPreprocessConfig(BaseModel):
         else:
             raise ConfigError(f"unsupported preprocessor size {size} (expected shortest_edge, or height and width)")
         if d.get("do_center_crop", clip):
-            crop = _size_dict(d.get("crop_size", cfg.image_size), True, "crop_size")
+            crop_size = d.get("crop_size")  # absent or null: the model's image size, as for size
+            crop = _size_dict(cfg.image_size if crop_size is None else crop_size, True, "crop_size")
             if set(crop) != {"height", "width"}:
                 raise ConfigError(f"unsupported crop_size {crop} (expected height and width)")
             kwargs["crop_height"], kwargs["crop_width"] = crop["height"], crop["width"]

@@ -216,6 +216,10 @@ def test_preprocessor_config_defaults_and_errors():
     # keys a config lacks take the family's rule at the model's size
     assert VitPreprocessConfig.from_hf_dict({}, clip) == VitPreprocessConfig.for_model(clip)
     assert VitPreprocessConfig.from_hf_dict({}, siglip) == VitPreprocessConfig.for_model(siglip)
+    # a null crop_size is an absent one, as a null size is (it was a TypeError: set(None))
+    assert VitPreprocessConfig.from_hf_dict({"crop_size": None}, clip) == VitPreprocessConfig.for_model(clip)
+    crop = VitPreprocessConfig.from_hf_dict({"do_center_crop": True, "crop_size": None}, siglip)
+    assert (crop.crop_height, crop.crop_width) == (60, 60)
     bad = [
         ({"do_normalize": False}, "do_normalize=false"),
         ({"do_pad": True}, "do_pad"),
