@@ -211,7 +211,8 @@ class VitPreprocessConfig(BaseModel):
         for key in ("image_mean", "image_std"):
             value = d.get(key)
             if value is not None:
-                kwargs[key] = tuple(value) if isinstance(value, list | tuple) else (float(value),) * 3
+                # a scalar is every channel's; the model validates the values (ConfigError below)
+                kwargs[key] = tuple(value) if isinstance(value, list | tuple) else (value,) * 3
         if "resample" in d and d["resample"] is not None:
             kwargs["resample"] = d["resample"]
         defaults = cls.for_model(cfg)

@@ -228,6 +228,8 @@ def test_preprocessor_config_defaults_and_errors():
         ({"size": {"shortest_edge": 56, "longest_edge": 90}}, "unsupported preprocessor size"),
         ({"size": {"shortest_edge": 112}, "crop_size": 112}, "the model takes 56x56"),
         ({"resample": 9}, "resample"),
+        ({"image_mean": "grey"}, "image_mean"),  # a ValueError from float() before
+        ({"image_std": {"r": 0.5}}, "image_std"),  # a TypeError
     ]
     for raw, match in bad:
         with pytest.raises(ConfigError, match=match):
