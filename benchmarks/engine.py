@@ -75,6 +75,15 @@ def hf_tower(enc, device: str = "cuda"):
             out_hidden_size=cfg.out_dim, num_position_embeddings=cfg.num_position_embeddings,
             deepstack_visual_indexes=list(cfg.deepstack_visual_indexes), patch_size=cfg.patch_size,
         )  # fmt: skip
+    elif cfg.family == "qwen2_vl":  # its HF config names the width embed_dim and the output hidden_size
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Model
+
+        hf_cfg = Qwen2VLVisionConfig(
+            depth=cfg.depth, embed_dim=cfg.embed_dim, hidden_size=cfg.hidden_size, mlp_ratio=round(cfg.mlp_ratio),
+            num_heads=cfg.num_heads,
+        )  # fmt: skip
+        assert hf_cfg.mlp_ratio == cfg.mlp_ratio, cfg.mlp_ratio  # transformers 5.25 takes an int only
     else:
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as Model

@@ -91,3 +91,23 @@ def test_the_device_run_list_covers_every_script_device_run_sh_runs():
     ran = set(re.findall(r"benchmarks/(\w+\.py)", (BENCH / "device_run.sh").read_text()))
     assert ran <= set(SCRIPTS), f"device_run.sh runs scripts that are gone: {sorted(ran - set(SCRIPTS))}"
     assert ran <= {c.split()[0] for c in DEVICE_RUN}
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2-vl", "tiny", "tiny-qwen3-vl"])
+def test_engine_builds_the_hf_tower_of_every_qwen_family(preset, monkeypatch):
+    """engine.py's HF-eager rows: the transformers tower of the model's own family, holding our weights. It built a
+    Qwen2.5-VL tower for Qwen2-VL models too and failed there (no `fullatt_block_indexes`)."""
+    import torch
+
+    import encoder
+    from tests.graph_cases import rel_err
+
+    monkeypatch.setattr(sys, "path", [str(BENCH), str(ROOT), *sys.path])
+    hf_tower = runpy.run_path(str(BENCH / "engine.py"), run_name="benchmark_import")["hf_tower"]
+    enc = encoder.load(preset, device="cpu", dtype=torch.float32)
+    grid = torch.tensor([[1, 8, 12]])
+    pixels = torch.randn(96, enc.config.patch_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf_tower(enc, "cpu")(pixels, grid_thw=grid)
+    ref = getattr(ref, "pooler_output", ref)
+    assert rel_err(enc.encode(encoder.PatchBatch(pixels, grid), pooling="none")[0], ref) <= 1e-5
