@@ -21,6 +21,7 @@ Then one replay of A and of C under torch's profiler: each kernel's device time 
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import importlib.util
 import sys
@@ -45,6 +46,7 @@ CARVEOUT_ATTR = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__).parse_args()  # no options; --help says what it measures
     torch.manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
     w, b = {}, {}

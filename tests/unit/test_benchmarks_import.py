@@ -22,7 +22,6 @@ NO_CLI = {
     "load_gen.py": "service.py's load generator",
     "suite_cpu.py": "a pytest plugin",
     "suite_procs.py": "a pytest plugin; its __main__ is the sampler process, started with two paths",
-    "gemm_sequence.py": "takes no options: its __main__ runs the GPU benchmark",
 }
 # as benchmarks/device_run.sh runs them (its variables filled in)
 DEVICE_RUN = [
