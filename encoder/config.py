@@ -372,6 +372,11 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
     theta = rope.get("rope_theta")
     if theta is not None:
         fields["rope_theta"] = theta
+    fullatt, depth = fields.get("fullatt_block_indexes"), fields.get("depth", 32)
+    if cls is Qwen25VLVisionConfig and isinstance(fullatt, list | tuple) and isinstance(depth, int):
+        # transformers gives block i full attention iff `i in fullatt_block_indexes`: indexes past the depth (its
+        # default (7, 15, 23, 31) on a shallower tower, as save_pretrained writes it) name no block; dropped
+        fields["fullatt_block_indexes"] = [i for i in fullatt if not isinstance(i, int) or 0 <= i < depth]
     if kinds & _QWEN3_5_TYPES:
         # Qwen3.5 towers have no DeepStack mergers whatever the dict says (published configs carry
         # `"deepstack_visual_indexes": []`; HF's Qwen3_5VisionModel never reads the field)

@@ -160,3 +160,25 @@ def test_images_end_to_end_match_hf_processor_and_model(family, tmp_path):
     for out, mean, r in zip(enc.encode(inputs), enc.encode(inputs, "mean"), torch.split(ref, counts), strict=True):
         assert rel_err(out, r) <= 1e-5
         assert rel_err(mean, r.mean(0)) <= 1e-5
+
+
+def test_fullatt_indexes_past_depth_are_ignored_as_in_hf(tmp_path):
+    """transformers runs block i with full attention iff `i in fullatt_block_indexes`, so indexes past the
+    depth (its default (7, 15, 23, 31) on a shallower tower, as `save_pretrained` writes it) name no block:
+    such a checkpoint loads and encodes as in transformers, not refused."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from tests.hf_models import VISION_25, _randomize
+
+    tower = Qwen2_5_VisionTransformerPretrainedModel(
+        Qwen2_5_VLVisionConfig(**dict(VISION_25, fullatt_block_indexes=[2, 7, 15, 23, 31]))
+    )
+    _randomize(tower, 0)
+    tower.eval().save_pretrained(tmp_path)
+    enc = encoder.load(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert [blk.full_attention for blk in enc.model.blocks] == [False, False, True]
+    grid = torch.tensor(GRIDS)
+    pv = torch.randn(int(grid.prod(1).sum()), enc.config.patch_dim, generator=torch.Generator().manual_seed(4))
+    ref = hf_tokens(tower, pv, grid)
+    assert rel_err(enc.forward_packed(encoder.PatchBatch(pv, grid)), ref) <= 1e-5
