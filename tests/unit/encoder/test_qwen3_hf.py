@@ -29,7 +29,9 @@ import encoder
 from encoder import CheckpointError
 from encoder.config import Qwen3VLVisionConfig, from_hf_dict
 from encoder.geometry import frames_of
+from encoder.kernels import add_norm
 from encoder.presets import PRESETS
+from encoder.qwen import norm_args
 from tests.graph_cases import rel_err
 from tests.hf_models import QWEN3_FAMILIES, _qwen3_classes, full_model, hf_features, write_checkpoint
 
@@ -107,6 +109,23 @@ def test_encode_llm_matches_get_image_features(checkpoint):
         assert len(out.deepstack) == len(deep)
         for ours, layer in zip(out.deepstack, deep, strict=True):
             assert rel_err(ours, layer[i]) <= 1e-5
+
+
+@cases(("qwen3_vl", "full"), ("qwen3_5", "full"))
+def test_norms_match_hf_on_small_activations(checkpoint):
+    """Every LayerNorm (blocks, merger, DeepStack mergers over mu * D), as the tower applies it (`add_norm`),
+    against its HF module on activations of RMS 1e-3, where eps (1e-6) is a visible share of the variance:
+    a wrong eps (nn.LayerNorm's default 1e-5) moves unit-scale activations by less than the tolerances."""
+    family, _, directory, tower = checkpoint
+    enc = encoder.load(str(directory), device="cpu", dtype=torch.float32)
+    norms = [(n, m) for n, m in tower.named_modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 2 * enc.config.depth + 1 + len(enc.config.deepstack_visual_indexes)
+    gen = torch.Generator().manual_seed(4)
+    for name, hf_norm in norms:
+        x = torch.randn(5, hf_norm.weight.shape[0], generator=gen) * 1e-3
+        _, got = add_norm(x, None, *norm_args(enc.model.get_submodule(name)))
+        with torch.no_grad():
+            assert rel_err(got, hf_norm(x)) <= 1e-5, (family, name)
 
 
 @cases(("qwen3_vl", "full"), ("qwen3_5", "vision-sharded"))
