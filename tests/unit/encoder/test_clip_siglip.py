@@ -142,6 +142,21 @@ def test_embeddings_match_hf(checkpoint):
     assert rel_err(alone, model[3]) <= 1e-6
 
 
+def test_siglip_head_matches_hf_on_small_activations(tmp_path):
+    """The pooling head with its attention output at RMS ~1e-3 (out_proj x 1e-3, in both), where the
+    LayerNorm's eps (1e-6) is a visible share of the variance: a wrong eps passes the unit-scale tests."""
+    model, _ = hf_model("siglip", "full", seed=3)
+    head = model.vision_model.head
+    with torch.no_grad():
+        for p in head.attention.out_proj.parameters():
+            p.mul_(1e-3)
+    model.save_pretrained(tmp_path)
+    enc = encoder.load(str(tmp_path), device="cpu", dtype=torch.float32)
+    tokens = torch.randn(3, enc.config.seq_len, enc.config.width, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel_err(enc.model.head(tokens), head(tokens)) <= 1e-5
+
+
 def test_images_end_to_end_match_hf(checkpoint):
     """Encoded images -> our preprocess + tower against HF's processor + model (preprocessor_config.json read)."""
     family, directory, reference = checkpoint
