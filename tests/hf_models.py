@@ -158,3 +158,26 @@ def hf_features(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tu
     with torch.no_grad():
         out = tower(pixel_values, grid_thw=grid_thw)
     return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+
+
+def check_norms_on_small_activations(hf_tower: torch.nn.Module, ours: torch.nn.Module) -> int:
+    """Every norm of `hf_tower` (LayerNorm, or RMSNorm: `variance_epsilon`) against ours of the same name, as our
+    towers apply it (`kernels.add_norm`), on activations of RMS 1e-3: there eps (1e-6; CLIP 1e-5) is a visible
+    share of the variance, so a wrong eps (a default) fails, where on unit-scale activations it moves the
+    outputs by less than the tolerances. Returns how many norms were checked."""
+    from encoder.kernels import add_norm
+    from encoder.qwen import norm_args
+
+    gen = torch.Generator().manual_seed(4)
+    norms = [
+        (n, m)
+        for n, m in hf_tower.named_modules()
+        if isinstance(m, torch.nn.LayerNorm) or hasattr(m, "variance_epsilon")
+    ]
+    for name, norm in norms:
+        x = torch.randn(5, norm.weight.shape[0], generator=gen) * 1e-3
+        _, got = add_norm(x, None, *norm_args(ours.get_submodule(name)))
+        with torch.no_grad():
+            ref = norm(x).double()
+        assert ((got.double() - ref).norm() / ref.norm()).item() <= 1e-5, name
+    return len(norms)

@@ -22,6 +22,7 @@ from encoder.config import ClipVisionConfig, SiglipVisionConfig
 from encoder.preprocess_vit import VitPreprocessConfig, preprocess_config_from_dump, preprocess_vit
 from encoder.presets import preset
 from tests.graph_cases import rel_err
+from tests.hf_models import check_norms_on_small_activations
 from tests.images_util import encode, random_image
 
 # tiny towers: CLIP 4x4 patches + class token; SigLIP 60 px with 14 px patches (the last 4 px unused,
@@ -142,19 +143,21 @@ def test_embeddings_match_hf(checkpoint):
     assert rel_err(alone, model[3]) <= 1e-6
 
 
-def test_siglip_head_matches_hf_on_small_activations(tmp_path):
-    """The pooling head with its attention output at RMS ~1e-3 (out_proj x 1e-3, in both), where the
-    LayerNorm's eps (1e-6) is a visible share of the variance: a wrong eps passes the unit-scale tests."""
-    model, _ = hf_model("siglip", "full", seed=3)
-    head = model.vision_model.head
+@pytest.mark.parametrize("family", FAMILIES)
+def test_norms_match_hf_on_small_activations(family, tmp_path):
+    """`check_norms_on_small_activations`, and SigLIP's pooling head whole with its attention output as small
+    (out_proj x 1e-3, in both): its LayerNorm is applied in the head's forward."""
+    model, _ = hf_model(family, "full", seed=3)
+    tower = model.vision_model
     with torch.no_grad():
-        for p in head.attention.out_proj.parameters():
+        for p in tower.head.attention.out_proj.parameters() if family == "siglip" else ():
             p.mul_(1e-3)
     model.save_pretrained(tmp_path)
-    enc = encoder.load(str(tmp_path), device="cpu", dtype=torch.float32)
-    tokens = torch.randn(3, enc.config.seq_len, enc.config.width, generator=torch.Generator().manual_seed(2))
+    ours = encoder.load(str(tmp_path), device="cpu", dtype=torch.float32).model
+    assert check_norms_on_small_activations(tower, ours) == 2 * ours.cfg.depth + 2
+    tokens = torch.randn(3, ours.cfg.seq_len, ours.cfg.width, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert rel_err(enc.model.head(tokens), head(tokens)) <= 1e-5
+        assert family == "clip" or rel_err(ours.head(tokens), tower.head(tokens)) <= 1e-5
 
 
 def test_images_end_to_end_match_hf(checkpoint):

@@ -29,11 +29,16 @@ import encoder
 from encoder import CheckpointError
 from encoder.config import Qwen3VLVisionConfig, from_hf_dict
 from encoder.geometry import frames_of
-from encoder.kernels import add_norm
 from encoder.presets import PRESETS
-from encoder.qwen import norm_args
 from tests.graph_cases import rel_err
-from tests.hf_models import QWEN3_FAMILIES, _qwen3_classes, full_model, hf_features, write_checkpoint
+from tests.hf_models import (
+    QWEN3_FAMILIES,
+    _qwen3_classes,
+    check_norms_on_small_activations,
+    full_model,
+    hf_features,
+    write_checkpoint,
+)
 
 # (t, h, w) in patches: smaller and larger than the 8 x 8 position grid, non-square both ways, the
 # minimum, and a two-frame clip (each frame its own segment, the position table repeated per frame)
@@ -113,19 +118,12 @@ def test_encode_llm_matches_get_image_features(checkpoint):
 
 @cases(("qwen3_vl", "full"), ("qwen3_5", "full"))
 def test_norms_match_hf_on_small_activations(checkpoint):
-    """Every LayerNorm (blocks, merger, DeepStack mergers over mu * D), as the tower applies it (`add_norm`),
-    against its HF module on activations of RMS 1e-3, where eps (1e-6) is a visible share of the variance:
-    a wrong eps (nn.LayerNorm's default 1e-5) moves unit-scale activations by less than the tolerances."""
-    family, _, directory, tower = checkpoint
+    """Every LayerNorm (blocks, merger, DeepStack mergers over mu * D) where eps is a visible share of the
+    variance (`check_norms_on_small_activations`)."""
+    _, _, directory, tower = checkpoint
     enc = encoder.load(str(directory), device="cpu", dtype=torch.float32)
-    norms = [(n, m) for n, m in tower.named_modules() if isinstance(m, torch.nn.LayerNorm)]
-    assert len(norms) == 2 * enc.config.depth + 1 + len(enc.config.deepstack_visual_indexes)
-    gen = torch.Generator().manual_seed(4)
-    for name, hf_norm in norms:
-        x = torch.randn(5, hf_norm.weight.shape[0], generator=gen) * 1e-3
-        _, got = add_norm(x, None, *norm_args(enc.model.get_submodule(name)))
-        with torch.no_grad():
-            assert rel_err(got, hf_norm(x)) <= 1e-5, (family, name)
+    norms = 2 * enc.config.depth + 1 + len(enc.config.deepstack_visual_indexes)
+    assert check_norms_on_small_activations(tower, enc.model) == norms
 
 
 @cases(("qwen3_vl", "full"), ("qwen3_5", "vision-sharded"))
