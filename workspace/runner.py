@@ -59,7 +59,9 @@ class RunnerStats:
             "capture_seconds": round(self.capture_seconds, 3),
             "capture_bytes": self.capture_bytes,
             "workspace_bytes": self.workspace_bytes,
-            "replays": dict(sorted(self.replays.items())),
+            # read from other threads (the replica's stats) while the device thread counts: one C-level copy,
+            # atomic under the GIL, then sorted; iterating the live Counter could meet a key added mid-way
+            "replays": dict(sorted(dict.copy(self.replays).items())),
             "eager_runs": self.eager_runs,
             "real_patches": self.real_patches,
             "padded_patches": self.padded_patches,

@@ -166,3 +166,22 @@ def test_encode_llm_refuses_a_dtype_that_is_not_a_float_type(pair, dtype):
     enc, graph = pair
     with pytest.raises(encoder.InvalidArgumentError, match="floating-point torch.dtype"):
         graph.encode_llm(random_batch([[1, 4, 4]], enc.config.patch_dim, seed=0), dtype)
+
+
+def test_stats_read_while_the_device_thread_counts_a_new_bucket():
+    """`stats()` runs on the replica's event loop while the device thread counts replays. Iterating the live
+    Counter meets a bucket's first replay added mid-way ('dictionary changed size during iteration');
+    `as_dict` copies it first. The Counter below adds a key while it is being iterated, as that thread would."""
+    from collections import Counter
+
+    from workspace.runner import RunnerStats
+
+    class CountedMidway(Counter):
+        def items(self):  # the live view, with the other thread's write between two of its items
+            live = iter(super().items())
+            yield next(live)
+            self[4096] += 1  # the device thread's first 4096-bucket replay
+            yield from live
+
+    stats = RunnerStats(replays=CountedMidway({256: 3, 1024: 1}))
+    assert stats.as_dict()["replays"] == {256: 3, 1024: 1}
