@@ -3,10 +3,12 @@ against the eager encoder, and the bucket table the driver and the actors share.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -14,7 +16,16 @@ import encoder
 from deployments.batch import EncoderActor, decode_batch, output_schema
 from deployments.batch.actor import _pixel_rows, fill_order
 from deployments.batch.columns import ERROR, PATCHES
-from deployments.batch.files import InputFile, Part, plan_parts, read_units
+from deployments.batch.files import (
+    PART_COLUMN,
+    ROW_COLUMN,
+    InputFile,
+    Part,
+    inspect_input,
+    plan_parts,
+    read_batch,
+    read_units,
+)
 from deployments.batch.model_facts import preprocess_config_for
 from encoder.errors import InvalidArgumentError
 from tests.batch_data import assert_close, good_image, make_rows, reference
@@ -154,3 +165,21 @@ def test_parts_and_read_units_follow_row_groups():
         (-1, [[6, 20, 25]]),
     ]
     assert Part(3, 0, 0, 1).name == "part-000003.parquet"
+
+
+def test_read_batch_emits_each_units_rows_tagged_with_part_and_row(tmp_path):
+    """Rows of a row group that starts mid-file are sliced relative to the group, not the file."""
+    pq.write_table(pa.table({"id": [10 * r for r in range(95)]}), tmp_path / "a.parquet", row_group_size=30)
+    ipc = pa.table({"id": [-r for r in range(25)]})
+    with pa.ipc.new_file(str(tmp_path / "b.arrow"), ipc.schema) as writer:
+        writer.write_table(ipc)
+    files = [inspect_input(tmp_path / name)[0] for name in ("a.parquet", "b.arrow")]
+    assert files[0].row_groups == [30, 30, 30, 5]
+    parts = plan_parts(files, 20)
+    todo = [p for p in parts if p.index in (1, 4, 6)]  # rows 20..40 (two groups), 80..95 (two groups), b 20..25
+    units = [json.dumps(u) for u in read_units(files, todo)]
+    got = read_batch(pa.table({"unit": units}))
+    rows = list(range(20, 40)) + list(range(80, 95))
+    assert got.column(ROW_COLUMN).to_pylist() == rows + list(range(20, 25))
+    assert got.column(PART_COLUMN).to_pylist() == [1] * 20 + [4] * 15 + [6] * 5
+    assert got.column("id").to_pylist() == [10 * r for r in rows] + [-r for r in range(20, 25)]
