@@ -183,3 +183,36 @@ def test_read_batch_emits_each_units_rows_tagged_with_part_and_row(tmp_path):
     assert got.column(ROW_COLUMN).to_pylist() == rows + list(range(20, 25))
     assert got.column(PART_COLUMN).to_pylist() == [1] * 20 + [4] * 15 + [6] * 5
     assert got.column("id").to_pylist() == [10 * r for r in rows] + [-r for r in range(20, 25)]
+
+
+def test_an_image_that_fails_the_encoder_alone_is_an_error_row_and_all_failing_fails_the_batch():
+    """A batch that raises is retried image by image: the culprit becomes an error row, the others are embedded;
+    when every image fails alone the fault is not the data, and the batch raises."""
+    pp = preprocess_config_for("tiny")
+    ids, images, _ = make_rows(6, seed=11)
+    decoded = decode_batch(
+        pa.table({"id": ids, "image": pa.array(images, pa.binary())}), image_column="image", pp=pp, path_root=None
+    )
+    actor = EncoderActor("tiny", "mean", None, preprocess_config=pp)
+    real_patch_batch, real_run = actor._patch_batch, actor._run
+    culprits = {2}
+
+    def run(batch):
+        order, patches = batch
+        if culprits & set(order):
+            raise RuntimeError("boom")
+        return real_run(patches)
+
+    actor._patch_batch = lambda order, *args: (order, real_patch_batch(order, *args))
+    actor._run = run
+    out = actor(decoded)
+    errors = out.column(ERROR).to_pylist()
+    assert errors[2] == "encode failed: RuntimeError: boom" and out.column("embedding")[2].as_py() is None
+    assert errors[:2] + errors[3:] == [None] * 5
+    want = reference(images[:2] + images[3:], "mean")
+    got = [np.asarray(v, dtype=np.float32) for v in out.column("embedding").to_pylist()]
+    for g, w in zip(got[:2] + got[3:], want, strict=True):
+        assert_close(g, w)
+    culprits.update(range(len(ids)))
+    with pytest.raises(RuntimeError, match="boom"):
+        actor(decoded)
