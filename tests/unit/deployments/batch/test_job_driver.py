@@ -53,3 +53,12 @@ def test_gpu_actors_are_no_more_than_the_encoder_batches():
     assert actors_for(8, 24, 11) == 3  # 11 + 11 + 2
     assert actors_for(2, 24, 5) == 2  # five batches, two GPUs
     assert actors_for(0, 24, 64) == 0  # no GPUs: the CPU actors are the pipeline's
+
+
+def test_rows_per_encoder_batch_are_two_actor_batches_capped_by_images():
+    from deployments.batch.model_facts import actor_plan, rows_per_batch
+
+    plan = actor_plan("tiny", "cpu")  # 8192 patches, 32 images per actor batch
+    assert rows_per_batch(plan, 256) == 2 * plan.max_batch_patches // 256 == 64
+    assert rows_per_batch(plan, 1) == 2 * plan.max_batch_images  # tiny images: the images cap, of two batches
+    assert rows_per_batch(plan, 10**9) == 1
