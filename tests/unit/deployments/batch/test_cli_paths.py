@@ -76,6 +76,8 @@ def test_encoded_bytes_over_the_limit_are_an_error_row():
     table = pa.table({"image": pa.array([data], type=pa.binary())})
     out = decode_batch(table, image_column="image", pp=PP, path_root=None, max_image_bytes=len(data) - 1)
     assert "over the limit" in out.column("error")[0].as_py()
+    out = decode_batch(table, image_column="image", pp=PP, path_root=None, max_image_bytes=len(data))
+    assert out.column("error")[0].as_py() is None  # at the limit: read, as a file of that size is
 
 
 @pytest.fixture
