@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -212,3 +213,14 @@ def test_a_resume_from_another_directory_resolves_relative_paths_as_the_first_ru
         main(args)
     assert roots == [str(first), str(first)]
     assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["path_root"] == str(first)
+
+
+def test_an_input_holding_the_jobs_internal_row_columns_is_refused():
+    """The job tags rows with `_ve_part` / `_ve_row` and writes parts sorted by them: an input column of that name
+    would be overwritten, or order and check a part by the input's values."""
+    good = pa.schema([("id", pa.int64()), ("image", pa.binary())])
+    cfg = JobConfig(input=["in"], output="out")
+    for column in ("_ve_part", "_ve_row"):
+        clash = good.append(pa.field(column, pa.int64()))
+        with pytest.raises(JobError, match=r"^b\.parquet: columns _ve_part/_ve_row are reserved"):
+            job_module.check_inputs([Path("a.parquet"), Path("b.parquet")], [good, clash], cfg)
