@@ -224,3 +224,35 @@ def test_an_input_holding_the_jobs_internal_row_columns_is_refused():
         clash = good.append(pa.field(column, pa.int64()))
         with pytest.raises(JobError, match=r"^b\.parquet: columns _ve_part/_ve_row are reserved"):
             job_module.check_inputs([Path("a.parquet"), Path("b.parquet")], [good, clash], cfg)
+
+
+class _Recorded:
+    """A dataset that records the stages `embed_dataset` adds (no Ray Data work)."""
+
+    def __init__(self, schema: pa.Schema):
+        import ray.data
+
+        self._schema, self.calls = ray.data.Schema(schema), []
+
+    def schema(self, fetch_if_missing: bool = True):
+        return self._schema
+
+    def repartition(self, **kwargs):
+        return self
+
+    def map_batches(self, fn, **kwargs):
+        self.calls.append((fn, kwargs))
+        return self
+
+
+def test_embed_dataset_decodes_relative_paths_under_its_path_root(tmp_path, monkeypatch):
+    """A job's resume reads relative image paths under the manifest's `path_root`, whatever its working directory:
+    `embed_dataset` must hand that root (and the byte limit) to its decode tasks."""
+    from deployments.batch import decode_batch, embed_dataset
+
+    monkeypatch.chdir(tmp_path)
+    for given, root in ((None, str(tmp_path)), ("/first/run", "/first/run")):
+        ds = _Recorded(pa.schema([("id", pa.int64()), ("image", pa.string())]))
+        embed_dataset(ds, model="tiny", num_gpus=0, batch_size=4, path_root=given, max_image_bytes=123)
+        (kwargs,) = [kw for fn, kw in ds.calls if fn is decode_batch]
+        assert kwargs["fn_kwargs"]["path_root"] == root and kwargs["fn_kwargs"]["max_image_bytes"] == 123
