@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from deployments.batch.__main__ import main
-from deployments.batch.job import JobSummary, Progress, actors_for
+from deployments.batch.files import PART_COLUMN, ROW_COLUMN, InputFile, Part
+from deployments.batch.job import JobSummary, PartsRunner, Progress, actors_for
+from deployments.batch.manifest import Manifest
+from deployments.batch.options import JobConfig
 
 
 def test_a_bad_model_fails_before_ray_starts(tmp_path, capsys):
@@ -62,3 +66,33 @@ def test_rows_per_encoder_batch_are_two_actor_batches_capped_by_images():
     assert rows_per_batch(plan, 256) == 2 * plan.max_batch_patches // 256 == 64
     assert rows_per_batch(plan, 1) == 2 * plan.max_batch_images  # tiny images: the images cap, of two batches
     assert rows_per_batch(plan, 10**9) == 1
+
+
+def test_a_part_is_written_once_all_its_rows_are_back_then_recorded(tmp_path):
+    """`PartsRunner._collect`: nothing is written while rows are missing; then the part's file is renamed into
+    place before the manifest records it (a crash in between recomputes the part), with its error rows counted
+    and named by id."""
+    manifest = Manifest.open(tmp_path, {"model": "tiny"})
+    recorded_with_file = []
+    record_part = manifest.record_part
+    manifest.record_part = lambda part, *a: (
+        recorded_with_file.append((tmp_path / part.name).exists()),
+        record_part(part, *a),
+    )
+    files = [InputFile("/data/a.parquet", "parquet", 4, 0, 0, [4])]
+    summary = JobSummary(str(tmp_path), total_rows=4, total_parts=1, parts_done=0)
+    runner = PartsRunner(JobConfig(input=["x"], output=str(tmp_path)), files, manifest, summary, "id")
+    part = Part(0, 0, 0, 4)
+
+    def piece(rows: list[int], errors: list) -> pa.Table:
+        return pa.table({"id": [100 + r for r in rows], "error": pa.array(errors, pa.string()),
+                         PART_COLUMN: pa.array([0] * len(rows), pa.int32()), ROW_COLUMN: rows})  # fmt: skip
+
+    runner._collect(part, piece([3, 1], [None, "bad"]))
+    assert not (tmp_path / part.name).exists() and manifest.data["parts"] == {} and summary.parts_done == 0
+    runner._collect(part, piece([0, 2], [None, "also bad"]))
+    assert pq.read_table(tmp_path / part.name).column("id").to_pylist() == [100, 101, 102, 103]
+    assert recorded_with_file == [True] and manifest.data["parts"][part.name]["error_rows"] == 2
+    assert (summary.parts_done, summary.rows, summary.error_rows, summary.error_ids) == (1, 4, 2, [101, 102])
+    with pytest.raises(RuntimeError, match="more rows came back than went in"):
+        runner._collect(Part(1, 0, 0, 1), piece([0, 0], [None, None]))
