@@ -96,3 +96,25 @@ def test_a_part_is_written_once_all_its_rows_are_back_then_recorded(tmp_path):
     assert (summary.parts_done, summary.rows, summary.error_rows, summary.error_ids) == (1, 4, 2, [101, 102])
     with pytest.raises(RuntimeError, match="more rows came back than went in"):
         runner._collect(Part(1, 0, 0, 1), piece([0, 0], [None, None]))
+
+
+def test_a_rerun_does_only_the_parts_not_recorded_and_refuses_another_byte_limit(tmp_path, monkeypatch, capsys):
+    """Each run here "finishes" one part (the patched `PartsRunner.run`): the next does only the others, the job
+    is complete once all are recorded, a run after that has nothing to do; `--max-image-bytes` decides which rows
+    are error rows, so another value is another job."""
+    pq.write_table(pa.table({"id": [0, 1, 2], "image": pa.array([b"x"] * 3, pa.binary())}), tmp_path / "in.parquet")
+    todos: list[list[str]] = []
+
+    def run(self, todo):
+        todos.append([p.name for p in todo])
+        (self.manifest.out / todo[0].name).write_bytes(b"")
+        self.manifest.record_part(todo[0], "in.parquet", 0)
+        self.summary.parts_done += 1
+
+    monkeypatch.setattr(PartsRunner, "run", run)
+    args = ["--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"), "--part-rows", "1"]
+    assert [main([*args, "--no-progress"]) for _ in range(4)] == [1, 1, 0, 0]
+    assert todos == [[f"part-00000{k}.parquet" for k in range(first, 3)] for first in range(3)]
+    assert "nothing to do" in capsys.readouterr().out
+    assert main([*args, "--no-progress", "--max-image-bytes", "1000"]) == 2
+    assert "different parameters (max_image_bytes)" in capsys.readouterr().err
