@@ -50,6 +50,8 @@ def test_fill_order_cuts_where_the_runner_packs():
         lower = math.ceil(sum(c for c in counts if c <= 512) / 512)
         assert len(fitting) <= max(1, 2 * lower), trial
         assert sum(p.key is None for p in packs) == sum(c > 512 for c in counts)
+    # an exact fit has room: 300 + 212 fill the first bin, 200 starts the second
+    assert fill_order([300, 212, 200], [(1, 1), (2, 1), (3, 1)], largest) == [0, 1, 2]
 
 
 def test_decode_batch_never_raises_and_keeps_columns(tmp_path):
