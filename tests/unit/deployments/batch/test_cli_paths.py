@@ -54,11 +54,13 @@ def test_files_over_max_image_bytes_and_directories_are_error_rows_naming_them(t
         fh.truncate(3 * 2**20)
     good = tmp_path / "good.png"
     good.write_bytes(encode(random_image("RGB", 40, 50), "PNG"))
-    errors = decode_paths([str(big), str(tmp_path), str(good), str(tmp_path / "missing.png")], max_image_bytes=2**20)
+    paths = [str(big), str(tmp_path), str(good), str(tmp_path / "missing.png"), f"file://{good}"]
+    errors = decode_paths(paths, max_image_bytes=2**20)
     assert "ImageTooLargeError" in errors[0] and str(big) in errors[0] and "max_image_bytes" in errors[0]
     assert "directory" in errors[1] and str(tmp_path) in errors[1]
     assert errors[2] is None
     assert errors[3].startswith("FileNotFoundError") and str(tmp_path / "missing.png") in errors[3]
+    assert errors[4] is None  # a file:// URL names the same file
 
 
 def test_read_image_file_bounds_the_read(tmp_path):
