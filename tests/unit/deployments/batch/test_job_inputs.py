@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,7 +16,7 @@ import pytest
 from deployments import ray_compat
 from deployments.batch import job as job_module
 from deployments.batch.__main__ import main
-from deployments.batch.files import JobError, discover, inspect_input
+from deployments.batch.files import InputFile, JobError, discover, inspect_input
 from deployments.batch.job import PartsRunner, job_params
 from deployments.batch.manifest import Manifest
 from deployments.batch.options import JobConfig
@@ -256,3 +257,13 @@ def test_embed_dataset_decodes_relative_paths_under_its_path_root(tmp_path, monk
         embed_dataset(ds, model="tiny", num_gpus=0, batch_size=4, path_root=given, max_image_bytes=123)
         (kwargs,) = [kw for fn, kw in ds.calls if fn is decode_batch]
         assert kwargs["fn_kwargs"]["path_root"] == root and kwargs["fn_kwargs"]["max_image_bytes"] == 123
+
+
+@pytest.mark.parametrize("changed", [{"bytes": 1001}, {"num_rows": 41}, {"mtime_ns": 8}])
+def test_an_input_changed_in_size_rows_or_mtime_is_refused_on_resume(changed, tmp_path):
+    """Any of size, rows and modification time tells a rewritten input (`cp -p` or `rsync -t` keep the mtime)."""
+    cfg = JobConfig(input=["in"], output=str(tmp_path), pooling="mean")
+    first = InputFile("/data/a.parquet", "parquet", 40, 1000, 7, [40])
+    Manifest.open(tmp_path, job_params(cfg, [first], 10)).write()
+    with pytest.raises(JobError, match=r"\(inputs: /data/a\.parquet was rewritten since the job started\)"):
+        Manifest.open(tmp_path, job_params(cfg, [replace(first, **changed)], 10))
