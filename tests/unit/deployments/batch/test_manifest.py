@@ -48,6 +48,8 @@ def test_a_manifest_of_other_parameters_or_another_tool_is_refused(tmp_path):
     Manifest.open(tmp_path, PARAMS).write()
     with pytest.raises(JobError, match=r"different parameters \(model\)"):
         Manifest.open(tmp_path, PARAMS | {"model": "qwen2.5-vl-7b"})
+    with pytest.raises(JobError, match=r"different parameters \(max_image_bytes\)"):  # a parameter the old one lacks
+        Manifest.open(tmp_path, PARAMS | {"max_image_bytes": 1000})
     (tmp_path / MANIFEST).write_text(json.dumps({"format": "something else"}))
     with pytest.raises(JobError, match="not a manifest of this tool"):
         Manifest.open(tmp_path, PARAMS)
