@@ -7,6 +7,7 @@ import json
 import pyarrow as pa
 import pytest
 
+import deployments.batch.manifest as manifest_module
 from deployments.batch.files import PART_COLUMN, ROW_COLUMN, JobError, Part
 from deployments.batch.manifest import MANIFEST, Manifest, locked, write_part
 
@@ -67,3 +68,21 @@ def test_the_lock_refuses_a_second_run_and_removes_half_written_parts(tmp_path):
                 pass
     with locked(tmp_path):  # released
         pass
+
+
+def test_a_part_cut_off_before_its_rename_is_hidden_and_removed_by_the_next_run(tmp_path, monkeypatch):
+    """A crash between writing a part and renaming it leaves a temporary that `read_table(DIR)` skips (a hidden
+    name) and that the next run's lock removes."""
+
+    def crash(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manifest_module.os, "replace", crash)
+    part = Part(1, 0, 0, 3)
+    with pytest.raises(KeyboardInterrupt):
+        write_part(tmp_path, part, [rows(part, range(3))])
+    monkeypatch.undo()
+    (left,) = list(tmp_path.iterdir())
+    assert left.name.startswith(".part-000001.parquet.tmp-"), left
+    with locked(tmp_path):
+        assert [p.name for p in tmp_path.iterdir()] == [".lock"]
