@@ -10,7 +10,7 @@ import pytest
 from deployments.aio import await_cancelling, gather_or_cancel
 from deployments.batching import ContinuousBatcher
 from deployments.errors import ErrorCode, RequestError, classify
-from deployments.limits import Admission, OverCapacityError, Ticket, read_body
+from deployments.limits import Admission, OverCapacityError, Ticket, check_request_patches, read_body
 from encoder.errors import DecodeTimeoutError, ImageTooComplexError
 
 
@@ -191,3 +191,25 @@ def test_queued_work_past_its_deadline_is_dropped_unrun():
     (first, late, fresh), ran = asyncio.run(main())
     assert isinstance(late, TimeoutError) and "deadline passed" in str(late)
     assert (first, fresh, ran) == (1, 1, [1, 1])  # the expired item never ran
+
+
+def test_limits_are_inclusive_a_request_exactly_at_one_is_let_in():
+    """Every limit is "at most": a request of exactly `max_request_patches` patches, a body of exactly
+    `max_request_bytes` (chunked, no Content-Length) and bytes that bring the replica exactly to
+    `max_inflight_bytes` are let in; one more is refused."""
+    check_request_patches(4096, 4096)
+    with pytest.raises(RequestError) as info:
+        check_request_patches(4097, 4096)
+    assert info.value.error is ErrorCode.TOO_MANY_PATCHES
+    assert bytes(asyncio.run(read_body(FakeRequest([b"abcd", b"ef"]), 6))) == b"abcdef"
+    with pytest.raises(RequestError) as info:
+        asyncio.run(read_body(FakeRequest([b"abcd", b"efg"]), 6))
+    assert info.value.error is ErrorCode.REQUEST_TOO_LARGE
+    gate = Admission(10, max_bytes=100)
+    a, b = Ticket(), Ticket()
+    gate.reserve_bytes(a, 60)
+    gate.reserve_bytes(b, 40)  # 100 of 100: in
+    with pytest.raises(OverCapacityError):
+        gate.reserve_bytes(b, 1)
+    assert (gate.bytes, gate.rejected_bytes) == (100, 1)
+
