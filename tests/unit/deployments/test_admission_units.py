@@ -213,3 +213,9 @@ def test_limits_are_inclusive_a_request_exactly_at_one_is_let_in():
         gate.reserve_bytes(b, 1)
     assert (gate.bytes, gate.rejected_bytes) == (100, 1)
 
+
+def test_a_chunked_bodys_deadline_grows_with_what_has_arrived():
+    """Without a Content-Length the body's deadline is `timeout_s` plus 1 s per `min_rate` bytes received so far: a
+    steady client sending 10 bytes every 50 ms (far above 10 bytes/s) is not cut off at `timeout_s`."""
+    body = asyncio.run(read_body(FakeRequest([b"x" * 10] * 6, gap_s=0.05), 100, None, timeout_s=0.1, min_rate=10))
+    assert len(body) == 60
