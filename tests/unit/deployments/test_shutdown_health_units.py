@@ -112,3 +112,47 @@ def test_a_burst_of_health_probes_costs_one_lookup(monkeypatch):
 
     answers = asyncio.run(burst())
     assert all(ready for ready, _ in answers) and calls == ["status"]
+
+
+class _Switch:
+    """The `DrainSwitch` actor's stand-in: `report.remote(id)` records, `drained.remote()` lists."""
+
+    def __init__(self, drained=()):
+        self.reports: list[str] = []
+        self.report = SimpleNamespace(remote=self.reports.append)
+        self.drained = SimpleNamespace(remote=lambda: list(drained))
+
+
+class _Polls:
+    """A stop event whose waits time out `n` times, then say stop: the watch loop runs `n` rounds, no clock."""
+
+    def __init__(self, n: int):
+        self.left = n
+
+    def wait(self, timeout=None) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def test_a_replica_reports_drained_only_once_its_grace_is_over(monkeypatch):
+    """The stopping process shuts Serve down once every replica reported: a replica reporting while it still
+    admits (in the grace after the switch) would have a request it admits then cut off by the shutdown."""
+    import deployments.shutdown as shutdown
+
+    switch = _Switch()
+    monkeypatch.setattr(shutdown.ray, "get_actor", lambda name, namespace: switch)
+    monkeypatch.setattr(shutdown.ray, "get", lambda ref, timeout=None: ref)
+    watches = [DrainWatch(rid, lambda: 0, poll_s=60, grace_s=grace) for rid, grace in (("r1", 60), ("r2", 0.0))]
+    parked = [w._stop for w in watches]  # their own threads park on these for a minute
+    try:
+        watch, over = watches
+        assert watch.admitting()  # a request just now: the whole grace
+        watch._stop = _Polls(5)
+        watch._watch()  # sees the switch, then 4 rounds within the grace, nothing in flight
+        assert watch.draining and watch.admitting() and switch.reports == []
+        over._stop = _Polls(5)  # no grace: it reports at its first round
+        over._watch()
+        assert switch.reports == ["r2"]
+    finally:
+        for event in parked:
+            event.set()
