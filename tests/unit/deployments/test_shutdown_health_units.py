@@ -156,3 +156,17 @@ def test_a_replica_reports_drained_only_once_its_grace_is_over(monkeypatch):
     finally:
         for event in parked:
             event.set()
+
+
+def test_drain_returns_once_every_ingress_replica_reported(monkeypatch):
+    import deployments.shutdown as shutdown
+
+    switch = _Switch(drained=["r1", "r2"])
+    monkeypatch.setattr(
+        shutdown, "DrainSwitch", SimpleNamespace(options=lambda **kw: SimpleNamespace(remote=lambda: switch))
+    )
+    monkeypatch.setattr(shutdown, "_ingress_replicas", lambda: 2)
+    monkeypatch.setattr(shutdown.ray, "get", lambda ref, timeout=None: ref)
+    assert shutdown.drain(timeout_s=-1)  # all reported: drained, whatever the time left
+    monkeypatch.setattr(shutdown, "_ingress_replicas", lambda: 3)
+    assert not shutdown.drain(timeout_s=-1)
