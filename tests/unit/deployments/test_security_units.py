@@ -148,6 +148,33 @@ def test_error_mapping_table():
     assert b"bug" not in error_response(RuntimeError("bug")).body  # no internals leak
 
 
+def test_every_error_code_has_its_documented_status_type_and_outcome():
+    """The whole table, row by row (README "Errors"): one row mapped to another status, type or metrics outcome
+    (a 408 answered 504, a drain refusal counted as a server error) changes what clients and dashboards see."""
+    rows = {
+        (400, "invalid_request_error", "client_error"): "INVALID_REQUEST INVALID_JSON INVALID_BASE64 INVALID_DATA_URL "
+        "INVALID_IMAGE_URL URL_NOT_ALLOWED IMAGE_FETCH_FAILED INVALID_IMAGE INVALID_ARGUMENT INVALID_POOLING "
+        "INVALID_DIMENSIONS INVALID_EMBEDDING_DTYPE",
+        (401, "authentication_error", "client_error"): "MISSING_API_KEY INVALID_API_KEY",
+        (404, "invalid_request_error", "client_error"): "MODEL_NOT_FOUND ROUTE_NOT_FOUND",
+        (405, "invalid_request_error", "client_error"): "METHOD_NOT_ALLOWED",
+        (408, "invalid_request_error", "timeout"): "REQUEST_TIMEOUT",
+        (413, "invalid_request_error", "client_error"): "IMAGE_TOO_LARGE IMAGE_TOO_COMPLEX IMAGE_DECODE_TIMEOUT "
+        "TOO_MANY_IMAGES TOO_MANY_PATCHES REQUEST_TOO_LARGE",
+        (415, "invalid_request_error", "client_error"): "UNSUPPORTED_MEDIA_TYPE UNSUPPORTED_CONTENT_TYPE "
+        "UNSUPPORTED_IMAGE_FORMAT",
+        (422, "invalid_request_error", "client_error"): "INVALID_SCHEMA",
+        (429, "rate_limit_error", "overloaded"): "RATE_LIMITED",
+        (503, "server_error", "overloaded"): "OVERLOADED ENCODER_UNAVAILABLE SHUTTING_DOWN",
+        (500, "server_error", "server_error"): "INTERNAL_ERROR",
+        (504, "server_error", "timeout"): "TIMEOUT",
+    }
+    want = {name: row for row, names in rows.items() for name in names.split()}
+    assert {e.name: (e.status, e.type, e.outcome) for e in ErrorCode} == want
+    retried = {e.name for e in ErrorCode if e.retry_after}
+    assert retried == {"RATE_LIMITED", "OVERLOADED", "ENCODER_UNAVAILABLE", "SHUTTING_DOWN"}
+
+
 # ------------------------------------------------------------------------------------------ admission, retries
 
 
