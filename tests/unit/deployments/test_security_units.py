@@ -280,3 +280,18 @@ def test_url_policy_allowlist_schemes_and_credentials():
             fetcher.check(bad)
         assert info.value.status == 400, bad
     assert host_allowed("10.0.0.5", 8080, ("10.0.0.5:8080",)) and not host_allowed("10.0.0.5", None, ("10.0.0.5:8080",))
+
+
+def test_each_error_outcome_feeds_its_own_ingress_counter():
+    """`ingress_stats()`'s error counters, by the outcome of the answer: 429/503 are `rejected`, 408/504 `timed_out`."""
+    from deployments.metrics import IngressTelemetry
+
+    telemetry = IngressTelemetry()
+    for error in ErrorCode.RATE_LIMITED, ErrorCode.SHUTTING_DOWN, ErrorCode.ENCODER_UNAVAILABLE, ErrorCode.TIMEOUT:
+        telemetry.answered(error.outcome)
+    for error in ErrorCode.REQUEST_TIMEOUT, ErrorCode.INVALID_JSON, ErrorCode.INTERNAL_ERROR:
+        telemetry.answered(error.outcome)
+    counts = telemetry.snapshot()
+    assert {k: counts[k] for k in ("rejected", "timed_out", "client_errors", "server_errors")} == {
+        "rejected": 3, "timed_out": 2, "client_errors": 1, "server_errors": 1,
+    }  # fmt: skip
