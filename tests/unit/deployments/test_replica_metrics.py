@@ -124,3 +124,35 @@ def test_work_past_its_deadline_is_dropped_unrun_by_the_replica():
         assert np.isfinite(vector).all() and len(metrics.batches) == 1
     finally:
         pipeline.shutdown()
+
+
+def test_each_request_of_a_merged_batch_gets_its_own_images_outputs():
+    """A batch of requests is one engine call; its outputs are split back per request, by image count: a request
+    of 2 images followed by one of 1 must get outputs 0-1 and 2. And the batch holds at most `max_batch_images`."""
+    vision = encoder.load("tiny", device="cpu")
+    plan = replica_plan(AppArgs(model="tiny"), vision, "cpu")
+    metrics = _Metrics()
+    pipeline = DevicePipeline(
+        GraphEncoder(vision, plan.table), plan, batcher="continuous", pipeline_depth=1, fixed_cost=None,
+        batch_wait_timeout_s=0.0, metrics=metrics,
+    )  # fmt: skip
+    pipeline.max_batch_images = 3
+    pp = vision.preprocess_config
+    images = [random_array(pp.factor * (2 + i % 2), pp.factor * 2, 3, seed=40 + i) for i in range(5)]
+    requests = [images[:1], images[1:3], images[3:4], images[4:5]]  # the first runs alone, the rest queue behind it
+
+    async def main():
+        works = [Work(*check_pixels(r, pp), "mean") for r in requests]
+        merged = await asyncio.gather(*(pipeline.submit(w, 0.0) for w in works))
+        alone = [(await pipeline.submit(Work(*check_pixels([x], pp), "mean"), 0.0))[0] for x in images]
+        return merged, alone
+
+    try:
+        merged, alone = asyncio.run(main())
+    finally:
+        pipeline.shutdown()
+    assert [(b["requests"], b["images"]) for b in metrics.batches[:3]] == [(1, 1), (2, 3), (1, 1)]
+    got = [v for outputs in merged for v in outputs]
+    assert [len(o) for o in merged] == [1, 2, 1, 1]
+    for g, want in zip(got, alone, strict=True):
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
