@@ -4,6 +4,7 @@ object store) for big pixels or big answers. Fake handles record which one each 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -126,3 +127,34 @@ def test_each_encoder_call_tells_the_router_its_patches_and_images():
 
     asyncio.run(main())
     assert asyncio.run(sizes()) == [(512, 32), (544, 3), (64 * 16, 64), (6 * 16, 6)]
+
+
+class _Echo(_Encoder):
+    """Answers each image with the image itself, so a caller can tell whose outputs it got."""
+
+    def __getattr__(self, name: str):
+        method = super().__getattr__(name)
+        if name == "describe":
+            return method
+
+        def remote(pixels=None, **kwargs):
+            method.remote(pixels, **kwargs)  # recorded
+            return _Response(list(pixels))
+
+        return SimpleNamespace(remote=remote)
+
+
+def test_merged_callers_each_get_their_own_images_and_the_call_lives_until_the_last_deadline():
+    """Calls merged into one encoder request: a 2-image caller followed by a 1-image one get outputs 0-1 and 2 (by
+    image count, not by caller), and the request is sent with the latest of their deadlines (an earlier one would
+    have the encoder drop work a caller still waits for)."""
+    from deployments.encoder_calls import Call
+
+    SENT_KWARGS.clear()
+    client = EncoderClient(_Echo([]), AppArgs(ingress_batch_size=8), IngressTelemetry())
+    a, b, c, d = (np.full((56, 56, 3), i, np.uint8) for i in range(4))
+    calls = [Call([a, b], [16, 16], "mean", deadline=100.0), Call([c], [16], "mean", deadline=300.0)]
+    calls.append(Call([d], [16], "mean", deadline=200.0))
+    out = asyncio.run(client._run_merged(calls))
+    assert [[int(x[0, 0, 0]) for x in o] for o in out] == [[0, 1], [2], [3]]
+    assert [kw["deadline"] for kw in SENT_KWARGS] == [300.0]
