@@ -172,3 +172,34 @@ def test_continuous_batcher_runs_an_idle_call_in_the_callers_task():
     assert queued == 3
     assert tasks[0] == (first, [1]) and tasks[1] == (second, [2])
     assert tasks[2][1] == [3, 4, 5] and tasks[2][0] not in (first, second)  # merged in a batch task
+
+
+def test_a_running_batch_keeps_running_for_the_callers_still_waiting():
+    """One caller of a merged batch going away (its deadline, a disconnect) must not cancel the batch under the
+    others: only a batch whose callers are all gone is cancelled."""
+    batches: list[list[int]] = []
+    started: list[asyncio.Event] = []
+    gates: list[asyncio.Event] = []
+
+    async def run(works):
+        i = len(batches)
+        batches.append([w.patches for w in works])
+        started[i].set()
+        await gates[i].wait()
+        return [w.patches for w in works]
+
+    async def scenario():
+        started[:], gates[:] = [asyncio.Event() for _ in range(2)], [asyncio.Event() for _ in range(2)]
+        batcher = ContinuousBatcher(run, lambda p, n: n <= 4, max_concurrent=1)
+        first = asyncio.create_task(batcher(_work(1)))
+        await started[0].wait()
+        gone, staying = asyncio.create_task(batcher(_work(2))), asyncio.create_task(batcher(_work(3)))
+        gates[0].set()  # the two queue (their tasks run before the first batch resumes), then merge
+        await started[1].wait()
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        gates[1].set()
+        return await first, await staying
+
+    assert asyncio.run(scenario()) == (1, 3)
+    assert batches == [[1], [2, 3]]
