@@ -249,12 +249,17 @@ def test_table_from_replica_metadata_and_majority():
         b = FakeReplica("b")
         router.update_replicas([a, b])
         assert router.plan(router._replicas_list).table == TWO
-        # routing stats win over metadata; the table most replicas publish wins
+        # routing stats win over metadata; the table most replicas publish wins, not the first replica's
         three = BucketRoutingStats(buckets=[[256, 4], [1024, 16], [4096, 64]]).to_dict()
-        replicas = [FakeReplica("a", three), FakeReplica("b", TWO_STATS), FakeReplica("c", three)]
+        replicas = [FakeReplica("a", three), FakeReplica("b", TWO_STATS), FakeReplica("c", TWO_STATS)]
         replicas[1].replica_metadata = three
         router.update_replicas(replicas)
-        assert router.plan(router._replicas_list).table == BucketRoutingStats.model_validate(three).table()
+        assert router.plan(router._replicas_list).table == TWO
+        # stats without a table still win over the metadata's other keys (it was published at start-up)
+        c = FakeReplica("c", {"ready": False})
+        c.replica_metadata = TWO_STATS
+        router.update_replicas([FakeReplica("a", three), c])
+        assert router.plan(router._replicas_list).not_ready == {c.replica_id}
 
     run(body())
 
