@@ -105,7 +105,7 @@ def test_spill_when_owner_is_full_even_without_an_early_threshold():
 
 def test_spill_by_patches_in_flight():
     async def body():
-        router = make_router(spill_queue_len=100, spill_patches=5000)
+        router = make_router(spill_queue_len=100, spill_patches=6000)
         a, b = await two_replicas(router, max_ongoing=100)
         results = []
         for _ in range(2):
@@ -116,7 +116,7 @@ def test_spill_by_patches_in_flight():
             router.on_request_routed(pr, replica.replica_id, result)
             results.append(result)
         assert router.inflight_patches(b.replica_id) == 6000
-        assert (await route(router, 3000)).uid == "a"  # b holds 6000 >= 5000 patches: spill
+        assert (await route(router, 3000)).uid == "a"  # b holds 6000 >= 6000 patches (at the limit): spill
         results[0].finish()
         await settle(router)  # the release hops through the loop
         assert router.inflight_patches(b.replica_id) == 3000
@@ -124,7 +124,7 @@ def test_spill_by_patches_in_flight():
         results[1].finish()
         await settle(router)
         assert router.inflight_patches(b.replica_id) == 0
-        assert router.spill_patches(router.plan(router._replicas_list)) == 5000
+        assert router.spill_patches(router.plan(router._replicas_list)) == 6000
         assert make_router().spill_patches(router.plan(router._replicas_list)) == 2 * 4096
 
     run(body())
