@@ -76,6 +76,7 @@ def test_spill_when_owner_queue_reaches_threshold():
         router = make_router(spill_fraction=0.5, spill_patches=0)
         a, b = await two_replicas(router, max_ongoing=8)
         assert router.spill_queue_len(a) == 4
+        assert router.spill_queue_len(FakeReplica("c", max_ongoing=7)) == 4  # 0.5 x 7, rounded up
         chosen = [(await route(router, 200)).uid for _ in range(6)]
         assert chosen == ["a"] * 4 + ["b"] * 2  # a owns 256; at 4 queued (>= 0.5 * 8) it spills to b
         # b has room for the large bucket it owns, below its own threshold
