@@ -170,3 +170,32 @@ def test_drain_returns_once_every_ingress_replica_reported(monkeypatch):
     assert shutdown.drain(timeout_s=-1)  # all reported: drained, whatever the time left
     monkeypatch.setattr(shutdown, "_ingress_replicas", lambda: 3)
     assert not shutdown.drain(timeout_s=-1)
+
+
+def test_a_draining_ingress_refuses_new_requests_counted_as_overloaded():
+    """`POST /v1/embeddings` while the drain's grace is over: 503 `shutting_down` with Retry-After, before the body is
+    read or anything admitted, and counted as `overloaded` (a refusal), not as a server error."""
+    import asyncio
+
+    import orjson
+    from starlette.requests import Request
+
+    from deployments.config import AppArgs
+    from deployments.http_routes import HttpRoutes
+    from deployments.limits import Admission
+    from deployments.metrics import IngressTelemetry
+    from deployments.security import ApiKeyAuth
+
+    telemetry, done = IngressTelemetry(), []
+    telemetry.request = lambda route, outcome, *counts: done.append((route, outcome))
+    drain = SimpleNamespace(admitting=lambda: False, draining=True)
+    admission = Admission(4)
+    routes = HttpRoutes(
+        AppArgs(), SimpleNamespace(info=None), None, admission, ApiKeyAuth(None), telemetry, None, drain
+    )
+    request = Request({"type": "http", "method": "POST", "path": "/v1/embeddings", "headers": []})
+    r = asyncio.run(routes.embeddings(request))
+    assert r.status_code == 503 and orjson.loads(r.body)["error"]["code"] == "shutting_down"
+    assert int(r.headers["retry-after"]) >= 1
+    assert done == [("http", "overloaded")] and telemetry.counts["rejected"] == 1
+    assert (admission.inflight, admission.bytes, admission.rejected) == (0, 0, 0)
