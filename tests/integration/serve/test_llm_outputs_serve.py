@@ -89,6 +89,25 @@ def test_to_wire_rounds_to_nearest_even_like_torch():
     assert to_wire(bf16, "bfloat16") is bf16  # already in the wire dtype
 
 
+def test_to_wire_of_a_tensor_tags_each_16_bit_type_and_reads_non_contiguous_ones():
+    """The replica's path (torch tensors): float16 as `np.float16`, bfloat16 as `np.uint16` bit patterns (a swapped tag
+    reinterprets the bits as the other type), the same bits as the numpy path; a transposed tensor is read in its
+    logical order, not its storage order."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((6, 5), dtype=np.float32)
+    for dtype, tag in (("float16", np.float16), ("bfloat16", np.uint16)):
+        t = torch.from_numpy(x).to({"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype])
+        for tensor, want in ((t, x), (t.t(), x.T)):  # already in the wire dtype: a view, or a copy when transposed
+            got = to_wire(tensor, dtype)
+            assert got.dtype == tag and got.flags.c_contiguous and got.shape == want.shape
+            np.testing.assert_array_equal(
+                got.view(np.uint16), to_wire(np.ascontiguousarray(want), dtype).view(np.uint16)
+            )
+        np.testing.assert_array_equal(
+            to_wire(torch.from_numpy(x), dtype).view(np.uint16), to_wire(x, dtype).view(np.uint16)
+        )
+
+
 def test_base64_body_is_the_json_of_its_parts():
     """The base64 answer is assembled around the base64 bytes; it must be the JSON orjson would write."""
     rng = np.random.default_rng(1)
