@@ -295,3 +295,29 @@ def test_each_error_outcome_feeds_its_own_ingress_counter():
     assert {k: counts[k] for k in ("rejected", "timed_out", "client_errors", "server_errors")} == {
         "rejected": 3, "timed_out": 2, "client_errors": 1, "server_errors": 1,
     }  # fmt: skip
+
+
+def test_url_fetch_enforces_the_byte_limit_while_reading():
+    """A server that sends no Content-Length (or lies) is cut off once the body passes `max_image_bytes`; a body of
+    exactly the limit is read whole."""
+    import httpx
+
+    def fetch(body: bytes) -> bytes:
+        async def main():
+            fetcher = UrlFetcher(("img.example.com",), max_bytes=8)
+
+            async def chunks():  # streamed, no Content-Length
+                yield body[:5]
+                yield body[5:]
+
+            fetcher._client = httpx.AsyncClient(
+                transport=httpx.MockTransport(lambda request: httpx.Response(200, content=chunks()))
+            )
+            return (await fetcher.fetch("https://img.example.com/a.png"))[0]
+
+        return asyncio.run(main())
+
+    assert fetch(b"12345678") == b"12345678"
+    with pytest.raises(RequestError) as info:
+        fetch(b"123456789")
+    assert info.value.error is ErrorCode.IMAGE_TOO_LARGE
