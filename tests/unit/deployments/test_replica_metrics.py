@@ -36,18 +36,24 @@ class _Metrics:
         self.batches.append(kwargs)
 
 
+def tiny_pipeline() -> tuple[encoder.VisionEncoder, DevicePipeline, _Metrics]:
+    """The tiny model's replica pipeline on CPU: continuous batching, one batch in flight, no batch wait."""
+    vision = encoder.load("tiny", device="cpu")
+    plan = replica_plan(AppArgs(model="tiny"), vision, "cpu")
+    metrics = _Metrics()
+    pipeline = DevicePipeline(
+        GraphEncoder(vision, plan.table), plan, batcher="continuous", pipeline_depth=1, fixed_cost=None,
+        batch_wait_timeout_s=0.0, metrics=metrics,
+    )  # fmt: skip
+    return vision, pipeline, metrics
+
+
 def test_a_batch_counts_its_own_replays_not_the_health_probes():
     """Broken: the batch's replays and padding were the differences of the engine's totals since the last batch,
     which hold the start-up and health-check encodes too (17 replays counted for 2 one-image requests, with a
     health check every second), and the queue-depth gauge stayed at a burst's peak after it was served."""
-    vision = encoder.load("tiny", device="cpu")
-    plan = replica_plan(AppArgs(model="tiny"), vision, "cpu")
-    engine = GraphEncoder(vision, plan.table)
-    metrics = _Metrics()
-    pipeline = DevicePipeline(
-        engine, plan, batcher="continuous", pipeline_depth=1, fixed_cost=None, batch_wait_timeout_s=0.0,
-        metrics=metrics,
-    )  # fmt: skip
+    vision, pipeline, metrics = tiny_pipeline()
+    engine = pipeline.engine
     pp = vision.preprocess_config
     probe = stack_patchify(probe_pixels(pp), pp, engine.device)
     image = random_array(pp.factor * 4, pp.factor * 3, 3, seed=5)  # 4x3 merge units: 48 patches
@@ -67,7 +73,7 @@ def test_a_batch_counts_its_own_replays_not_the_health_probes():
     (batch,) = metrics.batches
     assert (batch["requests"], batch["images"], batch["patches"]) == (1, 1, 48)
     assert sum(engine_delta(before, engine.stats())["replays"].values()) == 4  # the probes' replays and the batch's
-    budget = plan.table.bucket_for(48, 1).budget
+    budget = engine.table.bucket_for(48, 1).budget
     assert batch["engine"] == {"padded_patches": budget - 48, "eager_runs": 0, "replays": {budget: 1}}
     assert metrics.queue_depth.values == [1, 0]  # up with the request, down once it is answered
 
@@ -103,13 +109,7 @@ def test_work_past_its_deadline_is_dropped_unrun_by_the_replica():
 
     import pytest
 
-    vision = encoder.load("tiny", device="cpu")
-    plan = replica_plan(AppArgs(model="tiny"), vision, "cpu")
-    metrics = _Metrics()
-    pipeline = DevicePipeline(
-        GraphEncoder(vision, plan.table), plan, batcher="continuous", pipeline_depth=1, fixed_cost=None,
-        batch_wait_timeout_s=0.0, metrics=metrics,
-    )  # fmt: skip
+    vision, pipeline, metrics = tiny_pipeline()
     pp = vision.preprocess_config
     image = random_array(pp.factor * 2, pp.factor * 2, 3, seed=6)
 
@@ -129,13 +129,7 @@ def test_work_past_its_deadline_is_dropped_unrun_by_the_replica():
 def test_each_request_of_a_merged_batch_gets_its_own_images_outputs():
     """A batch of requests is one engine call; its outputs are split back per request, by image count: a request
     of 2 images followed by one of 1 must get outputs 0-1 and 2. And the batch holds at most `max_batch_images`."""
-    vision = encoder.load("tiny", device="cpu")
-    plan = replica_plan(AppArgs(model="tiny"), vision, "cpu")
-    metrics = _Metrics()
-    pipeline = DevicePipeline(
-        GraphEncoder(vision, plan.table), plan, batcher="continuous", pipeline_depth=1, fixed_cost=None,
-        batch_wait_timeout_s=0.0, metrics=metrics,
-    )  # fmt: skip
+    vision, pipeline, metrics = tiny_pipeline()
     pipeline.max_batch_images = 3
     pp = vision.preprocess_config
     images = [random_array(pp.factor * (2 + i % 2), pp.factor * 2, 3, seed=40 + i) for i in range(5)]
