@@ -1,0 +1,76 @@
+"""`HttpRoutes` (the ingress's HTTP routes) against a fake encoder client and decoder, without Serve (fast): the
+checks of `POST /v1/embeddings` before and after the encoder call, and `/v1/models`. End to end: test_serve.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import orjson
+from starlette.requests import Request
+
+from deployments.config import AppArgs
+from deployments.http_routes import HttpRoutes
+from deployments.limits import Admission
+from deployments.llm_outputs import to_wire
+from deployments.metrics import IngressTelemetry
+from deployments.security import ApiKeyAuth
+
+DIMS = {"mean": 4, "none": 4}
+
+
+class FakeClient:
+    """The encoder: per image a [4] vector (pooled) or a 2 x 4 token matrix in the wire dtype (pooling none)."""
+
+    async def info(self) -> dict:
+        return {"default_pooling": "mean", "output_dims": DIMS, "preprocess_config": None}
+
+    async def encode(self, arrays, pooling, llm, deadline):
+        if llm is None:
+            return [np.full(4, i, np.float32) for i in range(len(arrays))], 7
+        return [(to_wire(np.full((2, 4), 1.5, np.float32), llm), [], (1, 4, 2)) for _ in arrays], 7
+
+
+class FakeDecoder:
+    async def prepare(self, inputs, pp, where, max_patches, reserve):
+        return list(inputs)
+
+
+def routes(**args) -> HttpRoutes:
+    a = AppArgs(**args)
+    return HttpRoutes(
+        a, FakeClient(), FakeDecoder(), Admission(4), ApiKeyAuth(None), IngressTelemetry(), None, None
+    )  # fmt: skip
+
+
+def post(r: HttpRoutes, body: dict) -> tuple[int, dict]:
+    data = orjson.dumps(body)
+    sent = []
+
+    async def receive():
+        if sent:
+            return {"type": "http.disconnect"}
+        sent.append(1)
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    request = Request({"type": "http", "method": "POST", "path": "/v1/embeddings", "headers": headers}, receive)
+    response = asyncio.run(r.embeddings(request))
+    return response.status_code, orjson.loads(response.body)
+
+
+def error_of(status: int, body: dict, want_status: int, code: str, param: str | None) -> None:
+    assert status == want_status, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body  # OpenAI's four keys, param too
+    assert (body["error"]["code"], body["error"]["param"]) == (code, param), body
+
+
+def test_the_model_name_must_be_the_served_one_exactly():
+    """`model` is the served name or absent: not a prefix of it, nor the name in another case (OpenAI's ids are
+    case-sensitive; a client naming another model must not be answered by this one)."""
+    r = routes(served_model_name="Tiny-VL")
+    for ok in ({}, {"model": "Tiny-VL"}):
+        status, body = post(r, {"input": ["a"], **ok})
+        assert status == 200 and body["model"] == "Tiny-VL", body
+    for other in ("tiny-vl", "Tiny", "Tiny-VL-2", ""):
+        error_of(*post(r, {"input": ["a"], "model": other}), 404, "model_not_found", "model")
