@@ -74,3 +74,12 @@ def test_the_model_name_must_be_the_served_one_exactly():
         assert status == 200 and body["model"] == "Tiny-VL", body
     for other in ("tiny-vl", "Tiny", "Tiny-VL-2", ""):
         error_of(*post(r, {"input": ["a"], "model": other}), 404, "model_not_found", "model")
+
+
+def test_the_image_limit_lets_exactly_max_request_images_in():
+    r = routes(max_request_images=3)
+    status, body = post(r, {"input": ["a", "b", "c"]})
+    assert status == 200 and [d["index"] for d in body["data"]] == [0, 1, 2], body
+    assert [d["embedding"][0] for d in body["data"]] == [0.0, 1.0, 2.0]  # each index is its own image's
+    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    error_of(*post(r, {"input": ["a"] * 4}), 413, "too_many_images", "input")
