@@ -83,3 +83,11 @@ def test_the_image_limit_lets_exactly_max_request_images_in():
     assert [d["embedding"][0] for d in body["data"]] == [0.0, 1.0, 2.0]  # each index is its own image's
     assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
     error_of(*post(r, {"input": ["a"] * 4}), 413, "too_many_images", "input")
+
+
+def test_pooling_and_dimensions_are_checked_against_the_model():
+    r = routes()
+    assert post(r, {"input": "a", "dimensions": 4})[0] == 200
+    for dim in (3, 5, 0):
+        error_of(*post(r, {"input": "a", "dimensions": dim}), 400, "invalid_dimensions", "dimensions")
+    error_of(*post(r, {"input": "a", "pooling": "model"}), 400, "invalid_pooling", "pooling")
