@@ -91,3 +91,7 @@ def test_pooling_and_dimensions_are_checked_against_the_model():
     for dim in (3, 5, 0):
         error_of(*post(r, {"input": "a", "dimensions": dim}), 400, "invalid_dimensions", "dimensions")
     error_of(*post(r, {"input": "a", "pooling": "model"}), 400, "invalid_pooling", "pooling")
+
+
+def test_an_unknown_field_is_a_422_naming_it():
+    error_of(*post(routes(), {"input": "a", "poolling": "none"}), 422, "invalid_schema", "poolling")
