@@ -4,6 +4,7 @@ checks of `POST /v1/embeddings` before and after the encoder call, and `/v1/mode
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import numpy as np
 import orjson
@@ -95,3 +96,15 @@ def test_pooling_and_dimensions_are_checked_against_the_model():
 
 def test_an_unknown_field_is_a_422_naming_it():
     error_of(*post(routes(), {"input": "a", "poolling": "none"}), 422, "invalid_schema", "poolling")
+
+
+def test_pooling_none_base64_answers_are_in_the_asked_embedding_dtype():
+    for dtype, size in (("float32", 4), ("float16", 2), ("bfloat16", 2)):
+        body = {"input": "a", "pooling": "none", "encoding_format": "base64", "embedding_dtype": dtype}
+        status, answer = post(routes(), body)
+        (item,) = answer["data"]
+        assert status == 200 and item["shape"] == [2, 4] and item["grid_thw"] == [1, 4, 2], answer
+        raw = base64.b64decode(item["embedding"])
+        assert len(raw) == 8 * size, dtype
+        want = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}[dtype]
+        np.testing.assert_array_equal(np.frombuffer(raw, want), to_wire(np.full(8, 1.5, np.float32), dtype))
