@@ -108,3 +108,15 @@ def test_pooling_none_base64_answers_are_in_the_asked_embedding_dtype():
         assert len(raw) == 8 * size, dtype
         want = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}[dtype]
         np.testing.assert_array_equal(np.frombuffer(raw, want), to_wire(np.full(8, 1.5, np.float32), dtype))
+
+
+def test_models_name_the_served_model_and_retrieve_it_by_its_exact_id():
+    r = routes(model="tiny", served_model_name="vision-x")
+    request = Request({"type": "http", "method": "GET", "path": "/v1/models", "headers": []})
+    listed = orjson.loads(r.models(request).body)
+    assert [(m["id"], m["object"], m["random_weights"]) for m in listed["data"]] == [("vision-x", "model", True)]
+    got = r.model(request, "vision-x")
+    assert got.status_code == 200 and orjson.loads(got.body) == listed["data"][0]
+    for other in ("vision", "Vision-X", "tiny", "vision-x/"):
+        response = r.model(request, other)
+        error_of(response.status_code, orjson.loads(response.body), 404, "model_not_found", "model")
