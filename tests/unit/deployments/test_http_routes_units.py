@@ -120,3 +120,18 @@ def test_models_name_the_served_model_and_retrieve_it_by_its_exact_id():
     for other in ("vision", "Vision-X", "tiny", "vision-x/"):
         response = r.model(request, other)
         error_of(response.status_code, orjson.loads(response.body), 404, "model_not_found", "model")
+
+
+def test_health_is_503_unless_an_encoder_replica_serves_and_names_the_served_model():
+    r = routes(model="tiny", served_model_name="vision-x")
+    warmed = []
+    r._decoder.warm = warmed.append
+    for ready, status, code in ((True, "ok", 200), (False, "starting", 503)):
+
+        async def readiness(ready=ready, status=status):
+            return ready, {"status": status}
+
+        r.readiness = readiness
+        response = asyncio.run(r.health())
+        assert response.status_code == code and orjson.loads(response.body) == {"status": status, "model": "vision-x"}
+    assert warmed == [None]  # the decode processes start once a replica can serve, not before
