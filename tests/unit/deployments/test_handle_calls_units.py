@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from deployments.config import AppArgs
 from deployments.handle_calls import HandleCalls
 from deployments.limits import Admission
 from deployments.metrics import IngressTelemetry
+from encoder.errors import InvalidArgumentError
 
 
 class FakeClient:
@@ -42,3 +44,12 @@ def test_embed_without_pooling_takes_the_models_default_and_returns_its_float32_
     assert [type(v) for v in got] == [np.ndarray] * 2 and [v.dtype for v in got] == [np.float32] * 2
     assert [v[0] for v in got] == [0.0, 1.0]  # in input order
     assert len(asyncio.run(h(b"one", "mean", None))) == 1 and client.calls[-1] == (1, "mean", None)  # one image
+
+
+@pytest.mark.parametrize("pooling,llm", [("max", None), (None, "int8"), ("none", np.float16)])
+def test_a_bad_pooling_or_dtype_is_refused_even_without_images(pooling, llm):
+    """An empty list is answered [] only for a valid call: a bad argument is an error whatever the images."""
+    h, client = handle()
+    with pytest.raises(InvalidArgumentError):
+        asyncio.run(h([], pooling, llm))
+    assert asyncio.run(h([], "none", "bfloat16")) == [] and client.calls == []
