@@ -215,6 +215,18 @@ def test_embeddings_body_formats():
     assert body["data"][0]["embedding"] == tokens.tolist()
 
 
+def test_float_answers_are_json_numbers_indexed_in_input_order():
+    import json
+
+    vectors = [np.full(3, i + 0.5, np.float32) for i in range(3)]
+    for fmt in ("float", "base64"):
+        data = json.loads(embeddings_body(vectors, fmt, "tiny", 3))["data"]
+        assert [d["index"] for d in data] == [0, 1, 2], fmt
+    data = json.loads(embeddings_body(vectors, "float", "tiny", 3))["data"]
+    assert [d["embedding"] for d in data] == [[0.5] * 3, [1.5] * 3, [2.5] * 3]  # numbers, not strings
+    assert all(type(v) is float for d in data for v in d["embedding"])
+
+
 def test_chunk_respects_patch_and_image_limits():
     assert chunk([], 10, 2) == []
     assert chunk([4, 4, 4], 8, 10) == [(0, 2), (2, 3)]
