@@ -132,6 +132,24 @@ def test_base64_body_is_the_json_of_its_parts():
     assert body["data"][0]["grid_thw"] == [1, 6, 2]
 
 
+def test_replica_wire_outputs_and_handle_items_keep_the_asked_dtype_for_every_array():
+    """`embed_llm(dtype=...)`: tokens and every DeepStack layer in the wire dtype (np.float16, or np.uint16 bit
+    patterns for bfloat16), the grid as a list of ints; no array is left in (or cast back to) float32."""
+    from types import SimpleNamespace
+
+    from deployments.llm_outputs import handle_item, wire_outputs
+
+    x = torch.linspace(-3, 3, 8).reshape(2, 4)
+    out = SimpleNamespace(tokens=x, deepstack=[x * 2, x * 3], grid_thw=torch.tensor([1, 4, 2]))
+    for dtype, tag in (("float32", np.float32), ("float16", np.float16), ("bfloat16", np.uint16)):
+        (item,) = [handle_item(w) for w in wire_outputs([out], dtype)]
+        assert set(item) == {"tokens", "deepstack", "grid_thw"} and item["grid_thw"] == [1, 4, 2]
+        arrays = [item["tokens"], *item["deepstack"]]
+        assert [a.dtype for a in arrays] == [np.dtype(tag)] * 3 and len(item["deepstack"]) == 2, dtype
+        for a, want in zip(arrays, (x, x * 2, x * 3), strict=True):
+            assert_rounded(from_wire(a), want.numpy(), dtype, 0)
+
+
 @pytest.mark.parametrize(
     "body,message",
     [
