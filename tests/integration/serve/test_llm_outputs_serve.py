@@ -170,6 +170,13 @@ def test_bad_embedding_dtype_is_a_400_naming_the_field(body, message):
     assert parse_embedding_request(b'{"input": "x"}').embedding_dtype == "float32"
 
 
+def test_a_bad_embedding_dtype_beside_other_schema_errors_is_a_422_naming_them_all():
+    with pytest.raises(RequestError) as info:
+        parse_embedding_request(b'{"input": "x", "embedding_dtype": "int8", "pooling": "max"}')
+    e = info.value
+    assert (e.status, e.code) == (422, "invalid_schema") and "embedding_dtype" in str(e) and "pooling" in str(e)
+
+
 # ------------------------------------------------------------------------------------------ the service
 
 
