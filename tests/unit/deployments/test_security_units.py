@@ -123,6 +123,10 @@ def test_request_parsing_and_content_type():
         with pytest.raises(RequestError, match=f"Content-Encoding '{encoding}' is not supported") as info:
             check_content_type("application/json", encoding)
         assert info.value.status == 415
+    with pytest.raises(RequestError) as info:  # a misspelt extension is refused by name, not ignored
+        parse_embedding_request(b'{"input": "a", "embeding_dtype": "bfloat16"}')
+    assert (info.value.status, info.value.code, info.value.param) == (422, "invalid_schema", "embeding_dtype")
+    assert "unknown field 'embeding_dtype'" in str(info.value)
 
 
 # ------------------------------------------------------------------------------------------ error mapping
