@@ -9,6 +9,7 @@ import asyncio
 import base64
 
 import numpy as np
+import orjson
 import pytest
 from pydantic import ValidationError
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -150,6 +151,9 @@ def test_error_mapping_table():
     r = error_response(RequestError("no key", ErrorCode.MISSING_API_KEY, None))
     assert r.headers["www-authenticate"] == "Bearer" and b"no key" in r.body
     assert b"bug" not in error_response(RuntimeError("bug")).body  # no internals leak
+    for exc, param in ((RequestError("x", ErrorCode.INVALID_POOLING, "pooling"), "pooling"), (RuntimeError(), None)):
+        error = orjson.loads(error_response(exc).body)["error"]  # OpenAI's four keys, `param` included
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and error["code"]
 
 
 def test_every_error_code_has_its_documented_status_type_and_outcome():
