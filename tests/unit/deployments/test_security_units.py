@@ -54,6 +54,33 @@ def test_limit_defaults_are_the_documented_ones_and_validated():
             AppArgs.model_validate(bad)
 
 
+POSITIVE = """max_request_images max_request_bytes max_image_bytes max_image_pixels max_request_patches
+    max_inflight_bytes max_inflight_patches body_min_rate body_timeout_s decode_timeout_s url_fetch_timeout_s
+    request_timeout_s
+    ingress_max_inflight_requests ingress_max_ongoing_requests max_ongoing_requests ingress_max_concurrent_batches
+    ingress_packs_in_flight decode_threads decode_processes num_replicas ingress_replicas""".split()
+NON_NEGATIVE = "retry_after_s encoder_retries encoder_retry_backoff_s num_cpus ingress_num_cpus num_gpus".split()
+
+
+def test_limits_refuse_zero_or_negative_values_and_queues_take_minus_one_only():
+    """A zero limit would refuse every request (or, for time limits, time every one out), a negative one is
+    meaningless: refused when the app is configured, not at the first request."""
+    for field in POSITIVE:
+        for bad in (0, -1):
+            with pytest.raises(ValidationError, match=field):
+                AppArgs.model_validate({field: bad})
+        assert getattr(AppArgs.model_validate({field: 1}), field) == 1
+    for field in NON_NEGATIVE:
+        with pytest.raises(ValidationError, match=field):
+            AppArgs.model_validate({field: -1})
+        assert getattr(AppArgs.model_validate({field: 0}), field) == 0
+    for field in ("max_queued_requests", "ingress_max_queued_requests"):
+        assert getattr(AppArgs.model_validate({field: -1}), field) == -1  # no limit
+        for bad in (0, -2):
+            with pytest.raises(ValidationError, match=field):
+                AppArgs.model_validate({field: bad})
+
+
 def test_build_app_sets_backpressure_health_and_shutdown_options():
     from deployments import build_app
 
