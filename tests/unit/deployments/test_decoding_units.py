@@ -1,0 +1,80 @@
+"""deployments.decoding.IngressDecoder without processes: a fake decode pool stands in for
+`encoder.decode_pool.DecodePool`, so where each decode runs, its deadline and the cancelling of a request's
+other decodes are checked fast (the real pool: tests/unit/encoder/test_decode_pool.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from deployments.decoding import IngressDecoder
+from deployments.metrics import RecentTimings
+from deployments.security import UrlFetcher
+from encoder.errors import ImageDecodeError
+from encoder.preprocess import PreprocessConfig
+from tests.images_util import encode, random_image
+
+PP = PreprocessConfig()
+TIMEOUT_S = 7.5
+
+
+class FakePool:
+    """`decode_async` of DecodePool: b"bad" fails at once, b"hang" waits until cancelled, others decode."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bytes, float]] = []
+        self.cancelled: list[bytes] = []
+        self.hanging = asyncio.Event()
+
+    async def decode_async(self, data: bytes, deadline_s: float) -> np.ndarray:
+        self.calls.append((data, deadline_s))
+        if data == b"bad":
+            await self.hanging.wait()  # fail only once the other decode is under way
+            raise ImageDecodeError("image bytes are bad")
+        if data == b"hang":
+            self.hanging.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(data)
+                raise
+        return np.zeros((28, 28, 3), np.uint8)
+
+
+def _decoder(fake: FakePool, threads: ThreadPoolExecutor) -> IngressDecoder:
+    decoder = IngressDecoder(threads, UrlFetcher(()), 10**7, RecentTimings(), processes=1, timeout_s=TIMEOUT_S)
+    decoder._procs = fake  # started: prepare() never starts real processes
+    return decoder
+
+
+def _opened_as(monkeypatch) -> None:
+    """Every input opens as a small PNG whose encoded bytes are the given name (what the fake pool sees)."""
+    import deployments.decoding as decoding
+    from deployments.inputs import Opened
+
+    real = decoding.open_input
+
+    def open_input(x, pp, max_bytes):
+        o = real(encode(random_image("RGB", 28, 28), "PNG"), pp, max_bytes)
+        return Opened(o.image, o.patches, x)
+
+    monkeypatch.setattr(decoding, "open_input", open_input)
+
+
+def test_one_failed_decode_cancels_the_others_and_names_its_input(monkeypatch):
+    fake = FakePool()
+    _opened_as(monkeypatch)
+
+    async def run():
+        with ThreadPoolExecutor(2) as threads:
+            decoder = _decoder(fake, threads)
+            with pytest.raises(ImageDecodeError, match=r"^input\[1\]: image bytes are bad"):
+                await decoder.prepare([b"hang", b"bad"], PP, "input")
+            for _ in range(10):  # let the cancellation reach the other decode
+                await asyncio.sleep(0)
+            assert fake.cancelled == [b"hang"]  # here: asyncio.run would cancel it on the way out
+
+    asyncio.run(asyncio.wait_for(run(), 60))
