@@ -78,3 +78,16 @@ def test_one_failed_decode_cancels_the_others_and_names_its_input(monkeypatch):
             assert fake.cancelled == [b"hang"]  # here: asyncio.run would cancel it on the way out
 
     asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_encoded_images_get_the_configured_deadline(monkeypatch):
+    fake = FakePool()
+    _opened_as(monkeypatch)
+
+    async def run():
+        with ThreadPoolExecutor(2) as threads:
+            return await _decoder(fake, threads).prepare([b"one", b"two"], PP, "input")
+
+    out = asyncio.run(asyncio.wait_for(run(), 60))
+    assert [a.shape for a in out] == [(28, 28, 3)] * 2
+    assert sorted(fake.calls) == [(b"one", TIMEOUT_S), (b"two", TIMEOUT_S)]  # seconds, as configured
