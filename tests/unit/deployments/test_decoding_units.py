@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from deployments.decoding import IngressDecoder
 from deployments.metrics import RecentTimings
@@ -91,3 +92,19 @@ def test_encoded_images_get_the_configured_deadline(monkeypatch):
     out = asyncio.run(asyncio.wait_for(run(), 60))
     assert [a.shape for a in out] == [(28, 28, 3)] * 2
     assert sorted(fake.calls) == [(b"one", TIMEOUT_S), (b"two", TIMEOUT_S)]  # seconds, as configured
+
+
+def test_a_small_file_of_many_pixels_is_decoded_in_the_pool_not_on_the_event_loop():
+    """A flat 3000x2000 PNG is a few KB: small enough to open on the loop, too many pixels to decode there."""
+    flat = encode(Image.new("RGB", (3000, 2000), (9, 9, 9)), "PNG")
+    small = encode(random_image("RGB", 224, 224), "PNG")
+    fake = FakePool()
+
+    async def run(data):
+        with ThreadPoolExecutor(2) as threads:
+            return await _decoder(fake, threads).prepare([data], PP, "input")
+
+    assert asyncio.run(asyncio.wait_for(run(small), 60))[0].ndim == 3
+    assert fake.calls == []  # decoded inline
+    asyncio.run(asyncio.wait_for(run(flat), 60))
+    assert fake.calls == [(flat, TIMEOUT_S)]
