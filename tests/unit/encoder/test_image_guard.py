@@ -133,6 +133,19 @@ def test_chunk_limits():
         check_structure(NORMAL["tiff-pages"](), ImageLimits(max_tiff_tags=2))
 
 
+def test_tiff_tags_exactly_at_the_limit_pass():
+    data = NORMAL["tiff-pages"]()
+    assert data[:4] == b"II*\x00"
+    offset, most = struct.unpack_from("<I", data, 4)[0], 0
+    while offset:  # the largest directory of the chain
+        count = struct.unpack_from("<H", data, offset)[0]
+        most = max(most, count)
+        offset = struct.unpack_from("<I", data, offset + 2 + 12 * count)[0]
+    check_structure(data, ImageLimits(max_tiff_tags=most))
+    with pytest.raises(ImageTooComplexError, match=f"has {most} tags in directory .*max_tiff_tags={most - 1}"):
+        check_structure(data, ImageLimits(max_tiff_tags=most - 1))
+
+
 def png_chunk(kind: bytes, payload: bytes, length: int | None = None) -> bytes:
     size = len(payload) if length is None else length
     return struct.pack(">I", size) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
