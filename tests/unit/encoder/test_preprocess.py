@@ -208,6 +208,16 @@ def test_size_limit_applies_to_arrays():
         load_image(random_array(50, 50, 3), PreprocessConfig(max_image_pixels=2000))
 
 
+def test_size_limit_is_inclusive():
+    """Exactly max_image_pixels is accepted (bytes, PIL image, array); one more column is refused."""
+    cfg = PreprocessConfig(max_image_pixels=40 * 50)
+    for x in (encode(random_image("RGB", 40, 50), "PNG"), random_image("RGB", 40, 50), random_array(40, 50, 3)):
+        assert load_image(x, cfg).size == (50, 40)
+    for x in (encode(random_image("RGB", 40, 51), "PNG"), random_image("RGB", 40, 51), random_array(40, 51, 3)):
+        with pytest.raises(ImageTooLargeError, match="51x40 = 2040 pixels, over the limit of 2000"):
+            load_image(x, cfg)
+
+
 def test_batch_errors_name_the_image():
     with pytest.raises(InvalidImageError, match="image 1: unsupported image type int"):
         preprocess([random_array(30, 30, 3), 7])
