@@ -132,6 +132,15 @@ def test_open_input_checks_headers_before_decoding():
     assert (info.value.status, info.value.code) == (413, "too_many_patches")
 
 
+def test_an_image_of_exactly_max_image_bytes_is_accepted():
+    png = encode(random_image("RGB", 60, 90), "PNG")
+    for x in (png, _b64(png)):  # the bytes path and the data URL path
+        assert open_input(x, PP, max_image_bytes=len(png)).data == png
+        with pytest.raises(RequestError) as info:
+            open_input(x, PP, max_image_bytes=len(png) - 1)
+        assert (info.value.status, info.value.code) == (413, "image_too_large")
+
+
 def test_request_parsing_and_content_type():
     assert parse_embedding_request(b'{"input": "abc"}').input == "abc"
     cases = [(b"{bad", 400), (b"[" * 5000, 400), (b"\xff\xfe", 400), (b"", 400), (b"[1]", 422),
