@@ -141,6 +141,12 @@ def test_an_image_of_exactly_max_image_bytes_is_accepted():
         assert (info.value.status, info.value.code) == (413, "image_too_large")
 
 
+def test_phone_mpo_pictures_are_jpeg_to_the_allowlist():
+    mpo = encode(random_image("RGB", 40, 50), "MPO", save_all=True, append_images=[random_image("RGB", 40, 50, 1)])
+    opened = open_input(mpo, PP)
+    assert opened.image.format == "MPO" and finish_input(opened, PP).ndim == 3
+
+
 def test_request_parsing_and_content_type():
     assert parse_embedding_request(b'{"input": "abc"}').input == "abc"
     cases = [(b"{bad", 400), (b"[" * 5000, 400), (b"\xff\xfe", 400), (b"", 400), (b"[1]", 422),
