@@ -11,6 +11,7 @@ import base64
 import numpy as np
 import orjson
 import pytest
+from PIL import Image
 from pydantic import ValidationError
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -145,6 +146,20 @@ def test_phone_mpo_pictures_are_jpeg_to_the_allowlist():
     mpo = encode(random_image("RGB", 40, 50), "MPO", save_all=True, append_images=[random_image("RGB", 40, 50, 1)])
     opened = open_input(mpo, PP)
     assert opened.image.format == "MPO" and finish_input(opened, PP).ndim == 3
+
+
+def test_only_allowed_plugins_parse_the_header(monkeypatch):
+    """Bytes are opened with the allowlisted plugins only: no other parser sees what is accepted."""
+    seen, real = [], Image.open
+
+    def spy(fp, mode="r", formats=None):
+        seen.append(formats)
+        return real(fp, mode, formats)
+
+    monkeypatch.setattr(Image, "open", spy)
+    only_png = ingress_preprocess_config(PreprocessConfig(), 10**6, ["PNG"])
+    open_input(encode(random_image("RGB", 16, 16), "PNG"), only_png)
+    assert seen == [["PNG"]]
 
 
 def test_request_parsing_and_content_type():
