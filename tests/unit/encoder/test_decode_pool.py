@@ -33,6 +33,19 @@ def pool():
         yield p
 
 
+def _decode_soon(pool, data, deadline_s=30.0, within_s=30.0):
+    """`pool.decode` that fails (instead of hanging the suite) when no answer comes within `within_s`: a pool
+    that never replaces a dead worker, or never times out a decode, would otherwise block it for good."""
+    cancel = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as caller:
+        call = caller.submit(pool.decode, data, deadline_s, cancel=cancel)
+        try:
+            return call.result(timeout=within_s)
+        except concurrent.futures.TimeoutError:
+            cancel.set()  # the call returns within one slice; the pool stays usable for the next test
+            raise AssertionError(f"no answer within {within_s:g} s") from None
+
+
 def test_decodes_like_load_image(pool):
     for data in (JPEG, encode(random_image("RGBA", 50, 60), "PNG"), encode(random_image("P", 30, 20), "GIF")):
         out = pool.decode(data, 30.0)
@@ -65,11 +78,11 @@ def test_overrunning_worker_is_killed_and_replaced(pool):
     (before,) = pool.pids
     started = time.monotonic()
     with pytest.raises(DecodeTimeoutError, match=r"longer than the deadline of 0\.5 s"):
-        pool.decode(b"sleep", 0.5)
+        _decode_soon(pool, b"sleep", 0.5)
     # the 0.5 s deadline, then the kill; broken, the worker sleeps its 600 s
     assert time.monotonic() - started < 30.0
     assert not _running(before)
-    assert pool.decode(JPEG, 30.0).shape == (224, 200, 3)  # on the replacement
+    assert _decode_soon(pool, JPEG).shape == (224, 200, 3)  # on the replacement
     assert pool.pids != [before]
 
 
@@ -78,7 +91,7 @@ def test_crashed_worker_is_replaced(pool, request_, how):
     (before,) = pool.pids
     with pytest.raises(DecodeWorkerError, match=f"the decode worker died \\({how}\\) while decoding"):
         pool.decode(request_, 30.0)
-    assert pool.decode(JPEG, 30.0).shape == (224, 200, 3)
+    assert _decode_soon(pool, JPEG).shape == (224, 200, 3)  # on the replacement
     assert pool.pids != [before]
 
 
@@ -102,7 +115,8 @@ def test_cancelled_async_decode_frees_its_worker(pool):
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(pool.decode_async(b"sleep", 600.0), timeout=0.5)
         started = time.monotonic()
-        out = await pool.decode_async(JPEG, 30.0)  # the only worker would be asleep for 600 s
+        # the only worker would be asleep for 600 s; wait_for cancels the call instead of hanging the suite
+        out = await asyncio.wait_for(pool.decode_async(JPEG, 30.0), 30.0)
         return out, time.monotonic() - started
 
     out, waited = asyncio.run(main())
