@@ -19,7 +19,7 @@ import click
 
 from encoder.checkpoint import load_config
 from encoder.config import BUILTIN_ATTENTION, DTYPE_NAMES, VisionConfig, attention_kinds
-from encoder.errors import CheckpointError, ConfigError
+from encoder.errors import CheckpointError, ConfigError, named
 from encoder.hub import ResolvedModel, resolve_model
 
 # the batch CLI's status for bad arguments, so both CLIs agree (README "Exit status")
@@ -60,11 +60,6 @@ def check_model(model: str, *, weights_elsewhere: bool = False) -> ResolvedModel
         raise AppConfigError(str(exc)) from None
 
 
-def _shown(value) -> str:
-    """A name as the user wrote it, or only its type when it is not a string (never an object's repr)."""
-    return repr(value) if isinstance(value, str) else f"of type {type(value).__name__}"
-
-
 def check_encoder_options(config: VisionConfig, buckets=None, dtype=None, attention=None, max_images=None) -> None:
     """What a driver can check of the encoder's options without torch, before replicas or actors start: the
     dtype's and the attention backends' names and the bucket spec (parsed on the model's merge unit, as the
@@ -80,10 +75,10 @@ def check_encoder_options(config: VisionConfig, buckets=None, dtype=None, attent
     given = attention.values() if isinstance(attention, dict) else [attention]
     for name in given:  # None or "" is "auto", as in `encoder.load`
         if name not in (None, "") and name not in names:
-            raise AppConfigError(f"attention {_shown(name)}: expected one of {', '.join(names)}")
+            raise AppConfigError(f"attention {named(name)}: expected one of {', '.join(names)}")
     if isinstance(attention, dict):
         kinds = attention_kinds(config)
-        unknown = [_shown(kind) for kind in attention if kind not in kinds]
+        unknown = [named(kind) for kind in attention if kind not in kinds]
         if unknown:
             raise AppConfigError(f"attention names layer kinds {', '.join(unknown)}: this model has {', '.join(kinds)}")
     if isinstance(buckets, str):

@@ -22,7 +22,7 @@ import torch
 from .attention import resolve_attention
 from .checkpoint import load_weights, read_image_processor
 from .config import DTYPE_NAMES, ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
-from .errors import ConfigError, InvalidArgumentError, RandomWeightsWarning
+from .errors import ConfigError, InvalidArgumentError, RandomWeightsWarning, named
 from .geometry import frames_of
 from .hub import ResolvedModel, resolve_model
 from .outputs import LLMOutput
@@ -257,7 +257,7 @@ def default_device() -> torch.device:
 def _resolve_device(device) -> torch.device:
     if device is None:
         return default_device()
-    shown = repr(device) if isinstance(device, str) else f"of type {type(device).__name__}"
+    shown = named(device)
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
@@ -285,8 +285,7 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
             raise ConfigError(f"dtype {dtype} is not supported; expected one of {', '.join(DTYPES)}")
         return dtype
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        shown = repr(dtype) if isinstance(dtype, str) else f"of type {type(dtype).__name__}"
-        raise ConfigError(f"unknown dtype {shown}; expected one of {', '.join(DTYPES)}")
+        raise ConfigError(f"unknown dtype {named(dtype)}; expected one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 

@@ -12,6 +12,12 @@ import warnings
 _OBJECT_REPR = re.compile(r"\s*<[^<>]*\bat 0x[0-9a-fA-F]+>")
 
 
+def named(value) -> str:
+    """A value a caller passed, for an error message: a string as written (`'bf'`), anything else by its type only
+    (`of type list`), never an object's repr."""
+    return repr(value) if isinstance(value, str) else f"of type {type(value).__name__}"
+
+
 class EncoderError(Exception):
     """Base class of every error the encoder raises for bad input, config or checkpoints."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, named
 
 POOLINGS = ("none", "mean", "model", "mean-l2", "model-l2")
 
@@ -10,5 +10,4 @@ POOLINGS = ("none", "mean", "model", "mean-l2", "model-l2")
 def check_pooling(pooling: str) -> None:
     """The name is known (family-independent; `encoder.api.resolve_pooling` checks that the model supports it)."""
     if not isinstance(pooling, str) or pooling not in POOLINGS:
-        shown = repr(pooling) if isinstance(pooling, str) else f"of type {type(pooling).__name__}"
-        raise InvalidArgumentError(f"unknown pooling {shown}; expected one of {', '.join(POOLINGS)}")
+        raise InvalidArgumentError(f"unknown pooling {named(pooling)}; expected one of {', '.join(POOLINGS)}")
