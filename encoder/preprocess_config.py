@@ -124,12 +124,18 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-def _reject_unsupported(d: dict[str, Any]) -> None:
+def reject_unsupported_steps(d: dict[str, Any]) -> None:
+    """The processing steps every family's processor must keep (Qwen's and CLIP/SigLIP's): no step switched off,
+    the rescale by 1/255."""
     for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
         if d.get(flag) is False:
             raise ConfigError(f"preprocessor config sets {flag}=false, which this encoder does not support")
     factor = d.get("rescale_factor")
     if factor is not None and (not isinstance(factor, int | float) or not math.isclose(factor, 1 / 255)):
         raise ConfigError(f"unsupported rescale_factor {factor!r} (only 1/255)")
+
+
+def _reject_unsupported(d: dict[str, Any]) -> None:
+    reject_unsupported_steps(d)
     if d.get("resample") not in (None, int(Image.Resampling.BICUBIC)):
         raise ConfigError(f"unsupported resample {d['resample']} (only 3 = bicubic)")

@@ -45,6 +45,7 @@ from encoder.preprocess_config import (
     OPENAI_CLIP_STD,
     PreprocessConfig,
     known_formats,
+    reject_unsupported_steps,
     std_positive,
 )
 
@@ -182,14 +183,9 @@ class VitPreprocessConfig(BaseModel):
         does not have the model's size (transformers' model would refuse it too).
         """
         clip = isinstance(cfg, ClipVisionConfig)
-        for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
-            if d.get(flag) is False:
-                raise ConfigError(f"preprocessor config sets {flag}=false, which this encoder does not support")
+        reject_unsupported_steps(d)
         if d.get("do_pad"):
             raise ConfigError("preprocessor config sets do_pad=true, which this encoder does not support")
-        factor = d.get("rescale_factor")
-        if factor is not None and (not isinstance(factor, int | float) or not math.isclose(factor, 1 / 255)):
-            raise ConfigError(f"unsupported rescale_factor {factor!r} (only 1/255)")
         square = bool(d.get("default_to_square", False))  # both processors: an int size is the shortest edge
         size = _size_dict(d.get("size"), square, "size")
         kwargs: dict[str, Any] = {"patch_size": cfg.patch_size}
