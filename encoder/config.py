@@ -372,7 +372,8 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
     theta = rope.get("rope_theta")
     if theta is not None:
         fields["rope_theta"] = theta
-    fullatt, depth = fields.get("fullatt_block_indexes"), fields.get("depth", 32)
+    fullatt = fields.get("fullatt_block_indexes")
+    depth = fields.get("depth", Qwen25VLVisionConfig.model_fields["depth"].default)
     if cls is Qwen25VLVisionConfig and isinstance(fullatt, list | tuple) and isinstance(depth, int):
         # transformers gives block i full attention iff `i in fullatt_block_indexes`: indexes past the depth (its
         # default (7, 15, 23, 31) on a shallower tower, as save_pretrained writes it) name no block; dropped
