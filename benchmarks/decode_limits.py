@@ -4,7 +4,7 @@
     PYTHONPATH=.:tests python benchmarks/decode_limits.py --bomb-scans 1000 5000
 
 Prints one line per measurement (median, or best of 5 for the microsecond-scale guard). The numbers in
-the docstrings of encoder/image_guard.py and encoder/decode_pool.py come from this script.
+the docstrings of encoder/preprocessing/image_guard.py and deployments/ingress/decode_pool.py come from this script.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 from jpeg_bombs import scan_bomb
 from PIL import Image
 
-from encoder.decode_pool import DecodePool, decode_resized, decode_rgb
+from deployments.ingress.decode_pool import DecodePool, decode_resized, decode_rgb
 from encoder.errors import ImageTooComplexError
-from encoder.image_guard import check_structure
-from encoder.preprocess import DEFAULT_CONFIG, load_image
+from encoder.preprocessing.image_guard import check_structure
+from encoder.preprocessing.qwen import DEFAULT_CONFIG, load_image
 
 
 def encoded(pixels: np.ndarray, fmt: str, **kwargs) -> bytes:

@@ -30,10 +30,10 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 for s in $steps; do
   start=$(date +%s)
   case $s in
-    tests) timeout 300 python3 -m pytest -q -m gpu tests/unit/encoder/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/test_preprocess.py tests/unit/encoder/test_kernels.py tests/unit/encoder/test_clip_siglip_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
+    tests) timeout 300 python3 -m pytest -q -m gpu tests/unit/encoder/attention/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/preprocessing/test_preprocess.py tests/unit/encoder/kernels/test_kernels.py tests/unit/encoder/models/test_clip_siglip_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
     attn) timeout 120 python3 benchmarks/attention.py --check > "$OUT/attention.md" 2>&1 ;;
     bench) timeout 400 python3 benchmarks/engine.py --json "$OUT/engine.json" > "$OUT/engine.md" 2>&1 ;;
-    qwen3) timeout 300 python3 -m pytest -q -m gpu tests/unit/encoder/test_qwen3_gpu.py -p no:cacheprovider 2>&1 | tail -30 > "$OUT/qwen3_tests.txt"
+    qwen3) timeout 300 python3 -m pytest -q -m gpu tests/unit/encoder/models/test_qwen3_gpu.py -p no:cacheprovider 2>&1 | tail -30 > "$OUT/qwen3_tests.txt"
            timeout 300 python3 benchmarks/engine.py --model qwen3-vl-8b --pad-compare --json "$OUT/engine_qwen3.json" > "$OUT/engine_qwen3.md" 2>&1
            timeout 200 python3 benchmarks/engine.py --backends triton --json "$OUT/engine_q25.json" > "$OUT/engine_q25.md" 2>&1 ;;
     quick) timeout 120 python3 benchmarks/engine.py --backends triton --no-hf > "$OUT/engine_quick.md" 2>&1 ;;

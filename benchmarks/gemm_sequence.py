@@ -16,7 +16,7 @@ in CUDA graphs at 256 rows, 8 layers' distinct weights, bf16, µs per layer:
 
 Then one replay of A and of C under torch's profiler: each kernel's device time in the sequence against alone.
 
-`python3 benchmarks/gemm_sequence.py` (torch and triton only: encoder/kernels.py is loaded by path)
+`python3 benchmarks/gemm_sequence.py` (torch and triton only: encoder/kernels/elementwise.py is loaded by path)
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import linear_flops_per_patch, make_batch, timed, use_backend  # noqa: E402
 
 import encoder  # noqa: E402
-import encoder.geometry  # noqa: E402
+import encoder.models.geometry  # noqa: E402
 import workspace  # noqa: E402
-from encoder.kernels import add_norm, linear_gelu_tanh  # noqa: E402
+from encoder.kernels.elementwise import add_norm, linear_gelu_tanh  # noqa: E402
 
 MARKS: list[tuple[float, str]] = []
 
@@ -135,7 +135,7 @@ def run(args) -> int:
     total = args.images * per
     buckets = [total]
     tower = base.model
-    frames = encoder.geometry.frames_of(batch.grid_thw).to("cuda")
+    frames = encoder.models.geometry.frames_of(batch.grid_thw).to("cuda")
     pv = batch.pixel_values
     bounds = tower.batch_bounds(batch.grid_thw.tolist())  # host values: read before any capture
     results: dict[str, float] = {}

@@ -7,8 +7,8 @@ each of a block's four bias GEMMs at 256 rows and the MLP
 (gate|up GEMM, SiLU·up, down GEMM), and times each against today's eager path in CUDA graphs (20 calls per
 graph, µs per call, median of interleaved rounds); outputs are checked against today's path.
 
-`python3 benchmarks/inductor_gemm.py [--rows 256] [--rounds 3]` (torch and triton only: encoder/kernels.py is loaded
-by path, for today's SiLU·up kernel)
+`python3 benchmarks/inductor_gemm.py [--rows 256] [--rounds 3]` (torch and triton only:
+encoder/kernels/elementwise.py is loaded by path, for today's SiLU·up kernel)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import per_call_us, trace_kernels  # noqa: E402
 
 spec = importlib.util.spec_from_file_location(
-    "encoder_kernels", Path(__file__).resolve().parents[1] / "encoder/kernels.py"
+    "encoder_kernels", Path(__file__).resolve().parents[1] / "encoder/kernels/elementwise.py"
 )
 K = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(K)

@@ -41,8 +41,8 @@ from engine import WORKLOADS, linear_flops_per_patch, make_batch, matmul_peak, u
 
 import encoder  # noqa: E402
 import workspace  # noqa: E402
-from encoder.kernels import add_norm, rotary_qkv  # noqa: E402
-from encoder.qwen import norm_args  # noqa: E402
+from encoder.kernels.elementwise import add_norm, rotary_qkv  # noqa: E402
+from encoder.models.qwen2 import norm_args  # noqa: E402
 
 MIN_ROWS = 4096
 MODE = {"name": "cublas"}  # read at capture time by the patched block forward

@@ -34,8 +34,8 @@ from cuda_timing import graph_of, timed, trace_kernels  # noqa: E402
 from engine import use_backend  # noqa: E402
 
 import encoder  # noqa: E402
-from encoder.kernels import add_norm, rotary_qkv  # noqa: E402
-from encoder.qwen import norm_args  # noqa: E402
+from encoder.kernels.elementwise import add_norm, rotary_qkv  # noqa: E402
+from encoder.models.qwen2 import norm_args  # noqa: E402
 
 
 class Chain:

@@ -9,7 +9,7 @@ Prints a markdown table (and writes JSON with --json). Phases:
   http        --clients connections posting one 224x224 PNG data URL each to /v1/embeddings.
   http idle   one request at a time: latency at idle.
   router      (--router-compare) 2 replicas x 0.5 GPU, handle callers, 90% 224x224 / 10% 1344x1344:
-              small-image latency and total img/s, Ray's default router vs deployments.router:BucketRouter.
+              small-image latency and total img/s, Ray's default router vs deployments.routing.router:BucketRouter.
 
 GPU (H200):  python benchmarks/service.py --model qwen2.5-vl-7b --replicas-per-gpu 2 --ingress-replicas 4
 CPU check:   python benchmarks/service.py --model tiny --quick
@@ -104,7 +104,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def images(side: int, n: int, pp, seed: int = 0) -> list[np.ndarray]:
-    from encoder.preprocess import load_image, resize_image
+    from encoder.preprocessing.qwen import load_image, resize_image
 
     rng = np.random.default_rng(seed)
     return [resize_image(load_image(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)), pp) for _ in range(n)]
@@ -304,7 +304,7 @@ async def idle_breakdown(handle, base_url: str, img: np.ndarray, body: bytes) ->
 async def service_phases(a, gpus: int, base_url: str) -> list[dict]:
     from ray import serve
 
-    from encoder.preprocess import PreprocessConfig
+    from encoder.preprocessing.qwen import PreprocessConfig
 
     handle = deploy(app_args(a, gpus))
     pp_dict = (await handle.info.remote())["preprocess"]
@@ -337,10 +337,10 @@ async def service_phases(a, gpus: int, base_url: str) -> list[dict]:
 async def router_phases(a, gpus: int) -> list[dict]:
     from ray import serve
 
-    from encoder.preprocess import PreprocessConfig
+    from encoder.preprocessing.qwen import PreprocessConfig
 
     rows = []
-    for router in (None, "deployments.router:BucketRouter"):
+    for router in (None, "deployments.routing.router:BucketRouter"):
         over = {"num_replicas": 2, "num_gpus": 0.5 if gpus else 0, "request_router_class": router or "ray",
                 "ingress_batch_size": 0}  # fmt: skip
         handle = deploy(app_args(a, gpus, **over))

@@ -11,23 +11,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .application import build_app
-    from .config import AppArgs
+    from deployments.application import build_app
+    from deployments.config import AppArgs
 
 __all__ = ["AppArgs", "app", "build_app"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "build_app":
-        from .application import build_app
+        from deployments.application import build_app
 
         return build_app
     if name == "AppArgs":
-        from .config import AppArgs
+        from deployments.config import AppArgs
 
         return AppArgs
     if name == "app":  # the default application, built on first access (`serve run deployments:app`)
-        from .application import build_app
+        from deployments.application import build_app
 
         return build_app({})
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

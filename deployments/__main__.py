@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 
-from .preflight import USAGE_EXIT, AppConfigError, check_port_free, ray_address
+from deployments.preflight import USAGE_EXIT, AppConfigError, check_port_free, ray_address
 
 
 def _port(text: str) -> int:
@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, on_signal)
 
     handle_signals()
-    from .application import build_app
-    from .config import AppArgs
-    from .shutdown import drain, drain_timeout
+    from deployments.application import build_app
+    from deployments.config import AppArgs
+    from deployments.shutdown import drain, drain_timeout
 
     address = ray_address(ns.address)
     try:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from .ray_compat import (
+    from deployments.ray_compat import (
         no_driver_stack_dump,
         quiet_serve_noise,
         quiet_serve_shutdown_notice,

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from encoder.preprocess import DEFAULT_FORMATS
-from encoder.presets import PRESETS
+from encoder.loading.presets import PRESETS
+from encoder.preprocessing.qwen import DEFAULT_FORMATS
 from workspace.buckets import BucketError, BucketTable
 from workspace.tables import DEVICE_DEFAULTS
 
@@ -75,13 +75,13 @@ class ModelArgs(BaseModel):
             return self.served_model_name
         if os.path.isdir(self.model):
             return os.path.basename(os.path.normpath(self.model))
-        from encoder.hub import parse_hub_id  # huggingface_hub: only where the name is not pinned yet
+        from encoder.loading.hub import parse_hub_id  # huggingface_hub: only where the name is not pinned yet
 
         return (parse_hub_id(self.model) or (self.model,))[0]
 
     @property
     def random_weights(self) -> bool:
-        """A preset: seeded random weights (`encoder.hub.resolve_model` tries preset names first)."""
+        """A preset: seeded random weights (`encoder.loading.hub.resolve_model` tries preset names first)."""
         return self.model in PRESETS
 
 
@@ -179,7 +179,7 @@ class ReplicaArgs(BaseModel):
         1024, ge=-1, description="Encoder requests queued at each caller (ingress replica) before 503; -1 = no limit."
     )
     request_router_class: str | None = Field(
-        "deployments.router:BucketRouter",
+        "deployments.routing.router:BucketRouter",
         description="Import path of a ray.serve RequestRouter for the encoder deployment; the default routes "
         "by sequence-length bucket. None or 'ray' = Ray's default (power of two choices).",
     )
@@ -255,7 +255,8 @@ class IngressArgs(BaseModel):
     decode_processes: int = Field(
         4,
         gt=0,
-        description="Worker processes per ingress decoding encoded images (encoder.decode_pool): a decode that "
+        description="Worker processes per ingress decoding encoded images (deployments.ingress.decode_pool): "
+        "a decode that "
         "overruns decode_timeout_s is killed with its process, which is replaced.",
     )
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After (seconds, rounded up) of 429 / 503 answers.")

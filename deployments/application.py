@@ -10,14 +10,13 @@ from pydantic import ValidationError
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
+from deployments.config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
+from deployments.ingress.deployment import VisionIngress
+from deployments.preflight import AppConfigError, check_encoder_options, check_model
+from deployments.ray_compat import check_ray, quick_serve_polls
+from deployments.replica.deployment import EncoderReplica
+from deployments.shutdown import in_serve_run, install_signal_drain
 from encoder.errors import RandomWeightsWarning, reason, validation_reason
-
-from .config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
-from .ingress import VisionIngress
-from .preflight import AppConfigError, check_encoder_options, check_model
-from .ray_compat import check_ray, quick_serve_polls
-from .replica import EncoderReplica
-from .shutdown import in_serve_run, install_signal_drain
 
 logger = logging.getLogger("ray.serve")
 

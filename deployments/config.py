@@ -10,9 +10,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, model_validator
 
-from workspace.tables import BucketPlan, process_plan, shape_of_encoder
-
-from .app_args import (
+from deployments.app_args import (
     API_KEY_ENV,
     DEFAULT_IMAGE_FORMATS,
     BatchingArgs,
@@ -22,6 +20,7 @@ from .app_args import (
     ModelArgs,
     ReplicaArgs,
 )
+from workspace.tables import BucketPlan, process_plan, shape_of_encoder
 
 __all__ = ["API_KEY_ENV", "DEFAULT_IMAGE_FORMATS", "AppArgs", "replica_plan", "resolve_device", "resolve_num_gpus"]
 

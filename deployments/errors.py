@@ -4,7 +4,7 @@
 OpenAI error `code` clients see, the HTTP status, the OpenAI error `type` and the metrics outcome. A
 raise site names a member (`RequestError("...", ErrorCode.TOO_MANY_IMAGES)`), never a status; `classify`
 maps any exception (ours, the encoder's, Ray's) onto a member. Nothing here imports FastAPI or builds an
-app: the HTTP module (`deployments.openai_api`) and the handle path both read this module.
+app: the HTTP module (`deployments.ingress.openai_api`) and the handle path both read this module.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections import deque
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from .errors import DISCONNECTED
+from deployments.errors import DISCONNECTED
 
 # in seconds, Prometheus's base unit (what `histogram_quantile` dashboards and alert rules expect of `_seconds`)
 _LATENCY_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10]

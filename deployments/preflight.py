@@ -17,10 +17,10 @@ from pathlib import Path
 
 import click
 
-from encoder.checkpoint import load_config
 from encoder.config import BUILTIN_ATTENTION, DTYPE_NAMES, VisionConfig, attention_kinds
 from encoder.errors import CheckpointError, ConfigError, named
-from encoder.hub import ResolvedModel, resolve_model
+from encoder.loading.checkpoint import load_config
+from encoder.loading.hub import ResolvedModel, resolve_model
 
 # the batch CLI's status for bad arguments, so both CLIs agree (README "Exit status")
 USAGE_EXIT = 2
@@ -39,7 +39,7 @@ class AppConfigError(ConfigError, click.ClickException):
 
 
 def check_model(model: str, *, weights_elsewhere: bool = False) -> ResolvedModel:
-    """`encoder.hub.resolve_model` without downloading weights (the replicas fetch them), as an AppConfigError.
+    """`encoder.loading.hub.resolve_model` without downloading weights (the replicas fetch them), as an AppConfigError.
 
     `weights_elsewhere`: the replicas may run on other nodes than this process (`serve deploy`: the
     controller builds the app on a head node, which in cluster.yaml holds only the checkpoint's config

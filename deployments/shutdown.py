@@ -40,7 +40,7 @@ import time
 import ray
 from ray.serve.exceptions import BackPressureError
 
-from .ray_compat import (
+from deployments.ray_compat import (
     no_driver_stack_dump,
     quiet_serve_noise,
     quiet_serve_shutdown_notice,
@@ -164,7 +164,7 @@ def _ingress_replicas() -> int:
     """Running ingress replicas of every application on this Serve instance."""
     from ray import serve
 
-    from .config import INGRESS_NAME
+    from deployments.config import INGRESS_NAME
 
     total = 0
     for app in serve.status().applications.values():

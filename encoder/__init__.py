@@ -1,12 +1,18 @@
 """Vision towers, preprocessing, checkpoint loading and attention backends.
 
-Families: Qwen2-VL / Qwen2.5-VL (variable resolution, `encoder.qwen`) and CLIP / SigLIP (fixed
-resolution, `encoder.vit`); models named by a preset, a checkpoint directory or a Hugging Face Hub id
-(`encoder.hub.resolve_model`); poolings "none", "mean", "model", "mean-l2", "model-l2" (`encoder.api`).
+Families: Qwen2-VL / Qwen2.5-VL (variable resolution, `encoder.models.qwen2`) and CLIP / SigLIP (fixed
+resolution, `encoder.models.vit`); models named by a preset, a checkpoint directory or a Hugging Face Hub id
+(`encoder.loading.hub.resolve_model`); poolings "none", "mean", "model", "mean-l2", "model-l2" (`encoder.api`).
 """
 
-from .config import ClipVisionConfig, Qwen2VLVisionConfig, Qwen3VLVisionConfig, Qwen25VLVisionConfig, SiglipVisionConfig
-from .errors import (
+from encoder.config import (
+    ClipVisionConfig,
+    Qwen2VLVisionConfig,
+    Qwen3VLVisionConfig,
+    Qwen25VLVisionConfig,
+    SiglipVisionConfig,
+)
+from encoder.errors import (
     BackendUnavailableError,
     CheckpointError,
     ConfigError,
@@ -20,9 +26,9 @@ from .errors import (
     InvalidImageError,
     RandomWeightsWarning,
 )
-from .lazy import lazy_exports
-from .poolings import POOLINGS
-from .presets import PRESETS
+from encoder.lazy import lazy_exports
+from encoder.loading.presets import PRESETS
+from encoder.poolings import POOLINGS
 
 # Names whose modules import torch are loaded on first use (PEP 562): processes that only decode and check
 # images (the ingress replicas, their decode workers) import `encoder.<module>` without paying torch's
@@ -30,10 +36,10 @@ from .presets import PRESETS
 _LAZY = {
     "VisionEncoder": "api",
     "load": "api",
-    "ResolvedModel": "hub",
-    "resolve_model": "hub",
+    "ResolvedModel": "loading.hub",
+    "resolve_model": "loading.hub",
     "PatchBatch": "patch_batch",
-    "VitPreprocessConfig": "preprocess_vit",
+    "VitPreprocessConfig": "preprocessing.vit",
 }
 
 

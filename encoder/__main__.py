@@ -17,13 +17,13 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .embedding_output import STDOUT, ImageEmbedding, check_output, write
-from .errors import EncoderError, InvalidArgumentError, RandomWeightsWarning, reason
-from .hub import resolve_model
-from .poolings import POOLINGS
+from encoder.embedding_output import STDOUT, ImageEmbedding, check_output, write
+from encoder.errors import EncoderError, InvalidArgumentError, RandomWeightsWarning, reason
+from encoder.loading.hub import resolve_model
+from encoder.poolings import POOLINGS
 
 if TYPE_CHECKING:
-    from . import PatchBatch, VisionEncoder
+    from encoder import PatchBatch, VisionEncoder
 
 SHORT_VALUES = 8  # values of each embedding in the default print
 
@@ -71,7 +71,7 @@ def preprocess_files(enc: VisionEncoder, paths: list[Path], data: list[bytes]) -
             batches.append(enc.preprocess([item]))
         except EncoderError as exc:
             raise type(exc)(f"{path}: {exc}") from None
-    from .patch_batch import PatchBatch
+    from encoder.patch_batch import PatchBatch
 
     return PatchBatch.concat(batches)
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             check_output(args.output, args.pooling)
         data = read_files(args.images)
         source = resolve_model(args.model)  # a bad model fails here, before torch is imported (~3 s)
-        from .api import load, vector_pooling
+        from encoder.api import load, vector_pooling
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RandomWeightsWarning)

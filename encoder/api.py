@@ -19,22 +19,22 @@ from pathlib import Path
 
 import torch
 
-from .attention import resolve_attention
-from .checkpoint import load_weights, read_image_processor
-from .config import DTYPE_NAMES, ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
-from .errors import ConfigError, InvalidArgumentError, RandomWeightsWarning, named
-from .geometry import frames_of
-from .hub import ResolvedModel, resolve_model
-from .outputs import LLMOutput
-from .patch_batch import PatchBatch
-from .patchify import preprocess
-from .poolings import check_pooling
-from .preprocess import PreprocessConfig
-from .preprocess_vit import VitPreprocessConfig, check_matches_model, preprocess_vit
-from .qwen import QwenVisionTower
-from .qwen3 import Qwen3VisionTower
-from .tower import TowerOutput
-from .vit import VitTower, build_vit_tower
+from encoder.attention import resolve_attention
+from encoder.config import DTYPE_NAMES, ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
+from encoder.errors import ConfigError, InvalidArgumentError, RandomWeightsWarning, named
+from encoder.loading.checkpoint import load_weights, read_image_processor
+from encoder.loading.hub import ResolvedModel, resolve_model
+from encoder.models.geometry import frames_of
+from encoder.models.qwen2 import QwenVisionTower
+from encoder.models.qwen3 import Qwen3VisionTower
+from encoder.models.tower import TowerOutput
+from encoder.models.vit import VitTower, build_vit_tower
+from encoder.outputs import LLMOutput
+from encoder.patch_batch import PatchBatch
+from encoder.patchify import preprocess, preprocess_vit
+from encoder.poolings import check_pooling
+from encoder.preprocessing.qwen import PreprocessConfig
+from encoder.preprocessing.vit import VitPreprocessConfig, check_matches_model, num_patches_for
 
 
 def is_fixed_resolution(config: VisionConfig) -> bool:
@@ -166,6 +166,10 @@ class VisionEncoder:
             return preprocess_vit(images, self.preprocess_config)
         return preprocess(images, self.preprocess_config)
 
+    def num_patches(self, height: int, width: int) -> int:
+        """Patches of an image of `height` x `width` pixels once preprocessed (resized, cropped) for this model."""
+        return num_patches_for(height, width, self.preprocess_config)
+
     def output_counts(self, grid_thw: torch.Tensor) -> list[int]:
         """Output tokens per image: t*h*w / merge_unit."""
         return [int(t * h * w) // self.config.merge_unit for t, h, w in grid_thw.tolist()]
@@ -202,7 +206,7 @@ class VisionEncoder:
 
     @torch.inference_mode()
     def run_packed(self, batch: PatchBatch) -> TowerOutput:
-        """Eager forward of a whole batch through the tower's body (`encoder.tower`), on device:
+        """Eager forward of a whole batch through the tower's body (`encoder.models.tower`), on device:
         tokens [sum tokens, token_dim] in the model dtype, per-frame means, the model's pooled
         embedding (CLIP / SigLIP), DeepStack features (Qwen3-VL)."""
         self.check_batch(batch)
@@ -362,7 +366,7 @@ def load(
     seed: int = 0,
 ) -> VisionEncoder:
     """A `VisionEncoder` from a preset name (random weights; warns), a local checkpoint directory or a
-    Hugging Face Hub id `org/name[@revision]` (`encoder.hub.resolve_model`, which runs first: a bad
+    Hugging Face Hub id `org/name[@revision]` (`encoder.loading.hub.resolve_model`, which runs first: a bad
     model fails before anything is built)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an int, got {type(seed).__name__}")

@@ -1,4 +1,4 @@
-"""Vision tower configs, one pydantic model per family (the named presets are in `encoder.presets`).
+"""Vision tower configs, one pydantic model per family (the named presets are in `encoder.loading.presets`).
 
 Field names follow the Hugging Face `vision_config` of each family so a checkpoint's
 `config.json` maps onto them directly (`from_hf_dict`).
@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError, reason, validation_reason
+from encoder.errors import ConfigError, reason, validation_reason
 
 # The names `encoder.load(dtype=...)` takes (`api.DTYPES` maps them to torch dtypes) and the attention backends
 # built in (`attention.registry`; a unit test keeps both lists equal to theirs): here, without torch, so a

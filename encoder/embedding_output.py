@@ -25,7 +25,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import InvalidArgumentError
+from encoder.errors import InvalidArgumentError
 
 STDOUT = "-"
 FILE_SUFFIXES = (".npy", ".parquet")

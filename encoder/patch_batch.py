@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidArgumentError
+from encoder.errors import InvalidArgumentError
 
 
 @dataclass

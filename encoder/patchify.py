@@ -1,6 +1,6 @@
 """Resized uint8 images -> patches in the packed layout the towers consume (torch).
 
-Kept apart from `encoder.preprocess` (decoding and resizing: Pillow and numpy only) so that the processes which
+Kept apart from `encoder.preprocessing` (decoding and resizing: Pillow and numpy only) so that the processes which
 only decode and check images (ingress replicas, their decode workers) never import torch.
 """
 
@@ -14,7 +14,8 @@ import torch
 
 from encoder.errors import ImageDecodeError, InvalidImageError
 from encoder.patch_batch import PatchBatch
-from encoder.preprocess import DEFAULT_CONFIG, PreprocessConfig, load_image, resize_image
+from encoder.preprocessing.qwen import DEFAULT_CONFIG, PreprocessConfig, load_image, resize_image
+from encoder.preprocessing.vit import VitPreprocessConfig, resize_crop
 
 
 @lru_cache(maxsize=32)
@@ -113,3 +114,8 @@ def preprocess(images: Any, cfg: PreprocessConfig = DEFAULT_CONFIG, resize=None)
                 raise
             raise type(e)(f"image {i}: {e}") from e
     return patchify_many(arrays, cfg)
+
+
+def preprocess_vit(images: Any, cfg: VitPreprocessConfig) -> PatchBatch:
+    """CLIP / SigLIP: one input or a list (any kind `load_image` accepts) -> PatchBatch; grid_thw rows (1, H/P, W/P)."""
+    return preprocess(images, cfg, resize=resize_crop)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import InvalidArgumentError, named
+from encoder.errors import InvalidArgumentError, named
 
 POOLINGS = ("none", "mean", "model", "mean-l2", "model-l2")
 

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from encoder.decode_pool import decode_rgb
+from deployments.ingress.decode_pool import decode_rgb
 
 
 def misbehaving_decode(data: bytes, cfg):

@@ -165,8 +165,8 @@ def check_norms_on_small_activations(hf_tower: torch.nn.Module, ours: torch.nn.M
     towers apply it (`kernels.add_norm`), on activations of RMS 1e-3: there eps (1e-6; CLIP 1e-5) is a visible
     share of the variance, so a wrong eps (a default) fails, where on unit-scale activations it moves the
     outputs by less than the tolerances. Returns how many norms were checked."""
-    from encoder.kernels import add_norm
-    from encoder.qwen import norm_args
+    from encoder.kernels.elementwise import add_norm
+    from encoder.models.layers import norm_args
 
     gen = torch.Generator().manual_seed(4)
     norms = [

@@ -16,8 +16,8 @@ import uuid
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from deployments.router import BucketRouter
-from deployments.routing_stats import BucketRoutingStats
+from deployments.routing.router import BucketRouter
+from deployments.routing.stats import BucketRoutingStats
 from workspace.buckets import BucketKey, BucketTable
 
 DEPLOYMENT = DeploymentID(name="Encoder", app_name="test")

@@ -1,8 +1,7 @@
 """How the encoder runs fast: bucket table, static workspaces, CUDA graph capture and replay."""
 
 from encoder.lazy import lazy_exports
-
-from .buckets import BucketError, BucketKey, BucketTable, Pack
+from workspace.buckets import BucketError, BucketKey, BucketTable, Pack
 
 __all__ = ["BucketError", "BucketKey", "BucketTable", "GraphCaptureError", "GraphEncoder", "GraphRunner", "Pack"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder.tower import Bounds, TowerOutput
+from encoder.models.tower import Bounds, TowerOutput
 
 
 @dataclass(frozen=True)

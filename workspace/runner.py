@@ -6,7 +6,7 @@ pool. A batch is split into packs (`BucketTable.pack`); each pack is written int
 or of several frames) run eagerly, each alone, through the same body. Without CUDA nothing is
 captured and every pack runs that body eagerly, so CPU tests exercise packing, padding and geometry.
 
-The runner knows no tower family: it talks to the tower only through `encoder.tower.GraphTower`
+The runner knows no tower family: it talks to the tower only through `encoder.models.tower.GraphTower`
 (static bounds per bucket, a capture geometry, the body, the outputs it writes). A fixed-resolution
 tower (`patches_per_image` = L) needs buckets of whole images (budget n * L, max_images n), so
 packing by patch count is packing by image count.
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder.geometry import frames_of
-from encoder.tower import Bounds, GraphTower, TowerOutput
+from encoder.models.geometry import frames_of
+from encoder.models.tower import Bounds, GraphTower, TowerOutput
 from workspace.buckets import BucketKey, BucketTable, Pack
 from workspace.buffers import GraphShape, Workspace
 
@@ -80,7 +80,7 @@ class GraphRunner:
         debug: bool = False,
     ):
         if not isinstance(tower, GraphTower):
-            raise TypeError(f"{type(tower).__name__} does not implement encoder.tower.GraphTower")
+            raise TypeError(f"{type(tower).__name__} does not implement encoder.models.tower.GraphTower")
         self.tower = tower
         self.table = table
         self.device = next(tower.parameters()).device

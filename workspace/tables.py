@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from encoder.preprocess import num_patches
 from workspace.buckets import MAX_BUDGET, BucketKey, BucketTable, default_table
 
 #: most images one replay of a fixed-resolution tower holds in the default table
@@ -63,7 +62,7 @@ class TowerShape:
 def shape_of_encoder(vision) -> TowerShape:
     """The shape of a loaded `encoder.VisionEncoder`."""
     tower, per = vision.model, vision.model.patches_per_image
-    unit = per if per is not None else num_patches(224, 224, vision.preprocess_config)
+    unit = per if per is not None else vision.num_patches(224, 224)
     return TowerShape(tower.merge_unit, unit, per)
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from deployments.batch.job import run_job
+from deployments.batch.options import JobConfig
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
 from workspace.buckets import BucketError
-
-from .job import run_job
-from .options import JobConfig
 
 
 def _positive(text: str) -> int:

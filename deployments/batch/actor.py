@@ -20,16 +20,7 @@ import pyarrow as pa
 import torch
 
 import encoder
-from encoder.attention import graph_token_cap
-from encoder.errors import InvalidArgumentError
-from encoder.patch_batch import PatchBatch
-from encoder.patchify import patchify
-from encoder.preprocess import PreprocessConfig
-from workspace.buckets import BucketKey, BucketTable
-from workspace.graph_encoder import GraphEncoder
-from workspace.tables import process_plan, shape_of_encoder
-
-from .columns import (
+from deployments.batch.columns import (
     DEEPSTACK,
     EMBEDDING,
     ERROR,
@@ -47,8 +38,16 @@ from .columns import (
     lists,
     vectors,
 )  # fmt: skip
-from .decode import describe_error
-from .model_facts import deepstack_layers, resolve_pooling
+from deployments.batch.decode import describe_error
+from deployments.batch.model_facts import deepstack_layers, resolve_pooling
+from encoder.attention import graph_token_cap
+from encoder.errors import InvalidArgumentError
+from encoder.patch_batch import PatchBatch
+from encoder.patchify import patchify
+from encoder.preprocessing.qwen import PreprocessConfig
+from workspace.buckets import BucketKey, BucketTable
+from workspace.graph_encoder import GraphEncoder
+from workspace.tables import process_plan, shape_of_encoder
 
 
 def fill_order(counts: list[int], sizes: list[tuple[int, int]], largest: BucketKey) -> list[int]:

@@ -1,8 +1,8 @@
 """The decode stage of a batch job (Ray tasks, CPU): each row's image to uint8 pixels at the model's size.
 
 A row's image (encoded bytes, a local file path, or a Hugging Face `datasets` image struct) is decoded,
-checked and resized with `encoder.preprocess` (`load_image`, then the model's resize: Qwen's smart resize,
-or the CLIP / SigLIP resize and crop through `encoder.preprocess_vit`). The stage ships compact uint8
+checked and resized with `encoder.preprocessing.qwen` (`load_image`, then the model's resize: Qwen's smart resize,
+or the CLIP / SigLIP resize and crop through `encoder.preprocessing.vit`). The stage ships compact uint8
 pixels (a quarter of the bytes of float32 patches) plus the patch count; a bad image becomes an `error`
 string on its row, never an exception.
 """
@@ -17,12 +17,11 @@ import pyarrow as pa
 from PIL import Image
 
 import encoder
+from deployments.batch.columns import ERROR, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
+from deployments.batch.image_files import DEFAULT_MAX_IMAGE_BYTES, read_image_file, resolve
 from encoder.errors import InvalidArgumentError
-from encoder.preprocess import PreprocessConfig, load_image
-from encoder.preprocess_vit import num_patches_for, resize_image_for
-
-from .columns import ERROR, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
-from .image_files import DEFAULT_MAX_IMAGE_BYTES, read_image_file, resolve
+from encoder.preprocessing.qwen import PreprocessConfig, load_image
+from encoder.preprocessing.vit import num_patches_for, resize_image_for
 
 
 def image_column_kind(typ: pa.DataType) -> str:

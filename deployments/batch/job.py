@@ -23,12 +23,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from encoder.errors import InvalidArgumentError, RandomWeightsWarning
-
-from ..preflight import ray_address
-from .columns import ERROR
-from .decode import check_input_schema, image_column_kind, typical_patches_of
-from .files import (
+from deployments.batch.columns import ERROR
+from deployments.batch.decode import check_input_schema, image_column_kind, typical_patches_of
+from deployments.batch.files import (
     PART_COLUMN,
     ROW_COLUMN,
     InputFile,
@@ -41,8 +38,8 @@ from .files import (
     read_batch,
     read_units,
 )
-from .manifest import Manifest, locked, write_part
-from .model_facts import (
+from deployments.batch.manifest import Manifest, locked, write_part
+from deployments.batch.model_facts import (
     check_actor_options,
     config_for,
     deepstack_layers,
@@ -52,9 +49,11 @@ from .model_facts import (
     resolve_pooling,
     rows_per_batch,
 )
-from .options import JobConfig
-from .pipeline import embed_dataset
-from .reaper import start_reaper
+from deployments.batch.options import JobConfig
+from deployments.batch.pipeline import embed_dataset
+from deployments.batch.reaper import start_reaper
+from deployments.preflight import ray_address
+from encoder.errors import InvalidArgumentError, RandomWeightsWarning
 
 # Test hook: exit abruptly (no cleanup) right after the k-th part of this run is renamed into place
 # and before the manifest records it, the worst moment for a crash.
@@ -267,7 +266,7 @@ class PartsRunner:
         use (the GPU actors may be fewer: `actors_for`)."""
         import ray
 
-        from ..ray_compat import quiet_token_auth_notice
+        from deployments.ray_compat import quiet_token_auth_notice
 
         cfg, own_ray = self.cfg, False
         if not ray.is_initialized():

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .files import PART_COLUMN, ROW_COLUMN, JobError, Part
+from deployments.batch.files import PART_COLUMN, ROW_COLUMN, JobError, Part
 
 MANIFEST = "_manifest.json"
 MANIFEST_FORMAT = "vision-encoding-service/batch-manifest/1"

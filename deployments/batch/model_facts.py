@@ -12,8 +12,8 @@ from functools import lru_cache
 from typing import Any
 
 from encoder.config import VisionConfig
-from encoder.hub import ResolvedModel, resolve_model
-from encoder.preprocess import PreprocessConfig, num_patches
+from encoder.loading.hub import ResolvedModel, resolve_model
+from encoder.preprocessing.qwen import PreprocessConfig, num_patches
 from workspace.tables import BucketPlan, TowerShape, process_plan
 
 # `encoder.api` and `encoder.attention` (torch, ~3 s of CPU to import) are imported in the functions that
@@ -22,7 +22,7 @@ from workspace.tables import BucketPlan, TowerShape, process_plan
 
 @lru_cache(maxsize=8)  # the driver asks several times; a Hub id would be looked up each time
 def resolved(model: str) -> ResolvedModel:
-    """`encoder.hub.resolve_model` without the weights (the actors fetch them): a bad model fails here, on the
+    """`encoder.loading.hub.resolve_model` without the weights (the actors fetch them): a bad model fails here, on the
     driver, in one line, before Ray starts."""
     return resolve_model(model, download_weights=False)
 
@@ -107,7 +107,7 @@ def rows_per_batch(plan: BucketPlan, typical_patches: int, fill: int = 2) -> int
 def gpus_in_cluster() -> int:
     import ray
 
-    from ..preflight import ray_address
+    from deployments.preflight import ray_address
 
     if not ray.is_initialized():
         ray.init(address=ray_address(None))
@@ -117,7 +117,7 @@ def gpus_in_cluster() -> int:
 def check_actor_options(model: str, buckets: Any = None, dtype=None, attention=None) -> None:
     """The encoder actors' options checked on the driver before Ray starts (`preflight.check_encoder_options`,
     what a service's `build_app` checks)."""
-    from ..preflight import check_encoder_options
+    from deployments.preflight import check_encoder_options
 
     check_encoder_options(config_for(model), buckets, dtype, attention)
 

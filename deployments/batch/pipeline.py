@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from encoder.errors import InvalidArgumentError, RandomWeightsWarning
-
-from .decode import check_input_schema, decode_batch, image_column_kind, typical_patches_of
-from .model_facts import (
+from deployments.batch.decode import check_input_schema, decode_batch, image_column_kind, typical_patches_of
+from deployments.batch.model_facts import (
     gpus_in_cluster,
     plan_for_actors,
     preprocess_config_for,
@@ -25,7 +23,8 @@ from .model_facts import (
     resolved,
     rows_per_batch,
 )
-from .options import EmbedOptions
+from deployments.batch.options import EmbedOptions
+from encoder.errors import InvalidArgumentError, RandomWeightsWarning
 
 
 def arrow_schema(schema) -> pa.Schema | None:
@@ -68,7 +67,7 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     """
     import ray.data
 
-    from .actor import EncoderActor  # torch: after the model and arguments are checked
+    from deployments.batch.actor import EncoderActor  # torch: after the model and arguments are checked
 
     if options is None:
         options = EmbedOptions.of(**kwargs)

@@ -7,9 +7,9 @@ backends that can run here, so a bad choice fails at load, never at graph captur
 
 from __future__ import annotations
 
-from .auto import AutoAttention, describe_backend, graph_token_cap, resolve_attention
-from .base import AttentionBackend
-from .registry import DEFAULT_BACKEND, available_backends, backend_names, get_backend, register
+from encoder.attention.auto import AutoAttention, describe_backend, graph_token_cap, resolve_attention
+from encoder.attention.base import AttentionBackend
+from encoder.attention.registry import DEFAULT_BACKEND, available_backends, backend_names, get_backend, register
 
 __all__ = [
     "AttentionBackend",

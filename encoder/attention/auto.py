@@ -30,9 +30,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ..errors import BackendUnavailableError, ConfigError
-from .base import AttentionBackend
-from .registry import available_backends, get_backend
+from encoder.attention.base import AttentionBackend
+from encoder.attention.registry import available_backends, get_backend
+from encoder.errors import BackendUnavailableError, ConfigError
 
 SHORT_SEGMENT = 256  # tokens: Triton ties or wins up to 256, FA4 wins from 512 on (16 x 512: 0.081 vs 0.125 ms)
 SHORT_FIRST = ("triton", "torch_varlen", "fa4", "fa3", "flash_attn", "sdpa")

@@ -20,9 +20,9 @@ import inspect
 
 import torch
 
-from ..kernels import zero_rows_past
-from .base import AttentionBackend
-from .torch_varlen import _keep_real_rows
+from encoder.attention.base import AttentionBackend
+from encoder.attention.torch_varlen import _keep_real_rows
+from encoder.kernels.elementwise import zero_rows_past
 
 _DTYPES = (torch.float16, torch.bfloat16)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import BackendUnavailableError
-from .base import AttentionBackend
+from encoder.attention.base import AttentionBackend
+from encoder.errors import BackendUnavailableError
 
 # name -> "module:Class"; modules are imported lazily so optional packages stay optional
 _REGISTRY: dict[str, str] = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend
+from encoder.attention.base import AttentionBackend
 
 
 class SdpaAttention(AttentionBackend):

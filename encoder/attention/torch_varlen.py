@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .base import AttentionBackend
+from encoder.attention.base import AttentionBackend
 
 _DTYPES = (torch.float16, torch.bfloat16)
 

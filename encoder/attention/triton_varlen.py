@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import AttentionBackend
+from encoder.attention.base import AttentionBackend
 
 try:
     import triton

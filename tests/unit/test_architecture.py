@@ -1,7 +1,8 @@
-"""The package rules, read from the source (ARCHITECTURE.md "Rules"): no import cycles; `encoder` imports
-nothing from `workspace` or `deployments`, `workspace` nothing from `deployments`; no module over 400 lines;
-Ray's private names (`_` attributes of Ray objects, `_` keyword arguments, overridden `_` hooks) only in
-`deployments/ray_compat.py`."""
+"""The architecture's rules, read from the source (ARCHITECTURE.md "Packages and rules"): no import cycles;
+`encoder` imports nothing from `workspace` or `deployments`, `workspace` nothing from `deployments`; the ingress
+and replica wings of `deployments` do not import each other and routing imports neither; no tower imports
+another tower; nothing under `encoder/preprocessing/` or the ingress wing imports torch; Ray's private names
+(`_` attributes of Ray objects, `_` keyword arguments, overridden `_` hooks) only in `deployments/ray_compat.py`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("encoder", "workspace", "deployments")
 RAY_COMPAT = "deployments.ray_compat"
-MAX_LINES = 400
+TOWERS = ("encoder.models.qwen2", "encoder.models.qwen3", "encoder.models.vit")
+TORCH_FREE = ("encoder.preprocessing", "deployments.ingress")  # packages whose modules never import torch
 
 
 def module_name(path: Path) -> str:
@@ -87,9 +89,104 @@ def test_lower_packages_import_nothing_from_higher_ones(package, forbidden):
     assert not wrong, sorted(wrong)
 
 
-def test_no_module_is_over_400_lines():
-    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, long
+def _in(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize(
+    "wing, forbidden",
+    [
+        ("deployments.ingress", ("deployments.replica", "deployments.routing")),
+        ("deployments.replica", ("deployments.ingress",)),
+        ("deployments.routing", ("deployments.ingress", "deployments.replica")),
+    ],
+)
+def test_the_wings_of_deployments_stay_apart(wing, forbidden):
+    """The ingress (CPU) and the encoder replica (GPU) share only the modules at `deployments/`'s top; the router
+    runs in every caller's process, so it carries neither wing."""
+    wrong = {
+        f"{name} imports {target}"
+        for name, targets in GRAPH.items()
+        if _in(name, wing)
+        for target in targets
+        if any(_in(target, f) for f in forbidden)
+    }
+    assert not wrong, sorted(wrong)
+
+
+def test_no_tower_imports_another_tower():
+    """What towers share lives in `encoder/models/layers.py` (and the modules beside it), not in a sibling tower."""
+    wrong = {f"{t} imports {u}" for t in TOWERS for u in GRAPH[t] if u in TOWERS and u != t}
+    assert not wrong, sorted(wrong)
+
+
+def imports_torch(tree: ast.Module) -> list[int]:
+    """Lines of `tree` that import torch (or triton), at the top level or inside a function."""
+    lines = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        if any(n.split(".")[0] in ("torch", "triton") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def load_time(tree: ast.Module) -> ast.Module:
+    """The imports of `tree` that run when it is imported: outside function bodies (in `if` / `try` too)."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+    return ast.Module(body=found, type_ignores=[])
+
+
+def run_time(tree: ast.Module) -> ast.Module:
+    """Every import of `tree` that can run (function bodies included), without `if TYPE_CHECKING:` blocks."""
+    skip = {
+        id(n)
+        for i in ast.walk(tree)
+        if isinstance(i, ast.If) and "TYPE_CHECKING" in ast.unparse(i.test)
+        for n in i.body
+    }
+    return ast.Module(
+        body=[n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skip],
+        type_ignores=[],
+    )
+
+
+def top_level_imports(name: str) -> set[str]:
+    """The project modules `name` imports when it is imported (outside functions)."""
+    return imported(name, load_time(TREES[name]))
+
+
+def test_preprocessing_and_the_ingress_wing_import_no_torch():
+    """Not even inside a function, and not through a project module they import at load time."""
+    free = [n for n in MODULES if any(_in(n, p) for p in TORCH_FREE)]
+    direct = {n: lines for n in free if (lines := imports_torch(run_time(TREES[n])))}
+    assert not direct, direct
+    reached, todo = set(), free + [t for n in free for t in imported(n, run_time(TREES[n]))]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += top_level_imports(name)
+    body_torch = {n: lines for n in reached if (lines := imports_torch(load_time(TREES[n])))}
+    assert not body_torch, body_torch
+
+
+def test_the_rules_are_not_vacuous():
+    """The checks above see what they look for: a tower importing torch, the graph linking the wings' modules."""
+    assert imports_torch(TREES["encoder.models.qwen3"])
+    assert "deployments.ingress.limits" in GRAPH["deployments.ingress.http_routes"]
+    assert any(_in(t, "deployments.routing") for t in GRAPH["deployments.replica.deployment"])
 
 
 def _private(attr: str) -> bool:
@@ -175,7 +272,12 @@ def test_the_ingress_side_imports_no_torch():
     import subprocess
     import sys
 
-    modules = ["deployments.ingress", "deployments.router", "encoder.decode_pool", "deployments.batch.decode"]
+    modules = [
+        "deployments.ingress.deployment",
+        "deployments.routing.router",
+        "deployments.ingress.decode_pool",
+        "deployments.batch.decode",
+    ]
     # the drivers: building the app, the CLIs (they check the model before importing torch)
     modules += ["deployments.application", "encoder.__main__", "deployments.batch.job"]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m == 'torch'))"

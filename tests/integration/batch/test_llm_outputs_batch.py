@@ -15,7 +15,7 @@ import encoder
 from deployments.batch import EncoderActor, decode_batch, output_schema
 from deployments.batch.job import JobConfig, resolve_part_rows
 from deployments.batch.model_facts import deepstack_layers, preprocess_config_for
-from encoder.presets import PRESETS, preset
+from encoder.loading.presets import PRESETS, preset
 from tests.batch_data import cli, make_rows, read_output
 
 DEEPSTACK_MODEL = "tiny-qwen3-vl"

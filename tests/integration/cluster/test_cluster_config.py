@@ -138,7 +138,7 @@ def test_production_serve_config_validates():
     (app,) = schema.applications
     assert app.name == DEFAULT_APP_NAME and app.import_path == "deployments:build_app"
     args = AppArgs.model_validate(app.args)  # only fields AppArgs has (it forbids others)
-    assert args.request_router_class == "deployments.router:BucketRouter"
+    assert args.request_router_class == "deployments.routing.router:BucketRouter"
     assert args.num_gpus and args.num_gpus > 0  # pinned: the CPU head builds the app
     by_name = {d.name: d for d in app.deployments}
     assert set(by_name) == {ENCODER_NAME, INGRESS_NAME}  # the names build_app gives its deployments

@@ -168,7 +168,7 @@ def cpu_config(http_port: int) -> dict:
     args = app["args"]
     args.pop("served_model_name")  # the model's own name
     args.update(model="tiny", device="cpu", buckets=BUCKETS, bucket_max_images=1, num_cpus=0.25, decode_threads=2)
-    assert args["num_gpus"] == 1 and args["request_router_class"] == "deployments.router:BucketRouter"
+    assert args["num_gpus"] == 1 and args["request_router_class"] == "deployments.routing.router:BucketRouter"
     by_name = {d["name"]: d for d in app["deployments"]}
     encoder = by_name[ENCODER_NAME]
     encoder["autoscaling_config"].update(min_replicas=2, max_replicas=2)

@@ -19,10 +19,10 @@ import torch
 
 import encoder
 from deployments.errors import RequestError
+from deployments.ingress.openai_api import embeddings_body, parse_embedding_request
 from deployments.llm_outputs import from_wire, to_wire
-from deployments.openai_api import embeddings_body, parse_embedding_request
 from encoder.errors import EncoderError
-from encoder.presets import PRESETS
+from encoder.loading.presets import PRESETS
 from tests.images_util import encode, random_array, random_image
 
 ATOL = 1e-4
@@ -353,7 +353,7 @@ def test_replica_encode_llm_pixels_checks_its_inputs(apps, references):
 
     from deployments.config import ENCODER_NAME
     from encoder.errors import InvalidArgumentError, InvalidImageError
-    from encoder.preprocess import load_image, resize_image
+    from encoder.preprocessing.qwen import load_image, resize_image
 
     app = apps["tiny"]
     enc = serve.get_deployment_handle(ENCODER_NAME, app_name=app.name)

@@ -14,8 +14,8 @@ import pytest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments.router import BucketRouter
-from deployments.routing_stats import BucketRoutingStats
+from deployments.routing.router import BucketRouter
+from deployments.routing.stats import BucketRoutingStats
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def echo_app():
             # owner's cached queue length still counts earlier calls (>= 2: the replica reports its count
             # before it drops a finished call, and Ray's decrement runs later, on the router's loop). The
             # affinity check below failed that way in 1 of 20 fresh-clone CI runs on 2026-12-03. Its ranking
-            # is unit-tested (tests/unit/deployments/test_router_ranking.py).
+            # is unit-tested (tests/unit/deployments/routing/test_router_ranking.py).
             request_router_kwargs={"spill_queue_len": 4, "spill_patches": 0, "idle_spill_queue_len": None},
             request_routing_stats_period_s=0.5,
         ),

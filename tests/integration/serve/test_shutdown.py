@@ -259,7 +259,8 @@ def test_a_signal_answers_everything_admitted_and_exits(launch, launches):
             assert o[0] == 503 and o[1] is not None, (who, o)
     output = log.read_text()
     # no traceback from any process of the service (a decode worker whose ingress replica is stopped used to
-    # print one when its pipe was reset, not on every run: tests/unit/encoder/test_decode_pool.py pins it down)
+    # print one when its pipe was reset, not on every run:
+    # tests/unit/deployments/ingress/test_decode_pool.py pins it down)
     assert "Traceback" not in output, output[-3000:]
     # nor a stack dump (Ray's failure-signal handler printed one, twice, on SIGTERM to `serve run`)
     assert "SIGTERM received" not in output, output[-3000:]

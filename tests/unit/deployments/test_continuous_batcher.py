@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 
 from deployments.batching import ContinuousBatcher
-from deployments.replica_pipeline import Work
+from deployments.replica.pipeline import Work
 from encoder.errors import InvalidArgumentError
 
 

@@ -13,7 +13,7 @@ import pytest
 from deployments import build_app
 from deployments.__main__ import key_values
 from deployments.config import AppArgs
-from deployments.openai_api import parse_embedding_request
+from deployments.ingress.openai_api import parse_embedding_request
 from deployments.preflight import USAGE_EXIT, AppConfigError, check_model, check_port_free
 from encoder.errors import ConfigError
 from tests.hf_models import write_checkpoint
@@ -67,7 +67,10 @@ def test_build_app_refuses_bad_arguments_in_one_line():
         ({"attention": {"windows": "sdpa"}}, "attention names layer kinds 'windows': this model has full, window"),
         ({"buckets": "7"}, "buckets '7': "),  # not a multiple of the model's merge unit (4)
         ({"request_router_class": "no.such:Router"}, "request_router_class 'no.such:Router': "),
-        ({"request_router_class": "deployments.router:NoSuch"}, "request_router_class 'deployments.router:NoSuch'"),
+        (
+            {"request_router_class": "deployments.routing.router:NoSuch"},
+            "request_router_class 'deployments.routing.router:NoSuch'",
+        ),
         # the router's own options (broken: RUNNING, then every request 504 after its 60 s time limit)
         ({"request_router_kwargs": {"spill_fration": 0.5}}, "request_router_kwargs: spill_fration: Extra inputs"),
         ({"request_router_kwargs": {"spill_fraction": 2}}, "request_router_kwargs: spill_fraction: Input should be"),
@@ -86,7 +89,7 @@ def test_the_attention_check_names_what_it_refuses_by_type_and_agrees_with_the_e
     """A value or kind that is not a string is named by its type (it showed the object's repr), and "" for a kind
     is "auto" here as it is in `encoder.load` (the driver refused what every replica would have run)."""
     from deployments.preflight import check_encoder_options
-    from encoder.presets import PRESETS
+    from encoder.loading.presets import PRESETS
 
     config = PRESETS["tiny"]
     check_encoder_options(config, attention={"full": "", "window": None})
@@ -108,13 +111,14 @@ def test_the_drivers_lists_of_names_are_the_encoders():
     # and the layer kinds a mapping may name are the towers' (built on the meta device: no weights)
     from encoder.api import attention_plan
     from encoder.config import attention_kinds
-    from encoder.presets import PRESETS
+    from encoder.loading.presets import PRESETS
 
     for name, config in PRESETS.items():
         assert tuple(attention_plan(config, "cpu")) == attention_kinds(config), name
     # so the check needs no torch (the drivers import it only when they need it: tests/unit/test_architecture.py)
     code = (
-        "import sys\nfrom deployments.preflight import check_encoder_options\nfrom encoder.presets import PRESETS\n"
+        "import sys\nfrom deployments.preflight import check_encoder_options\n"
+        "from encoder.loading.presets import PRESETS\n"
         "check_encoder_options(PRESETS['tiny'], 'pow2:256-1024', 'bf16', 'sdpa')\nprint('torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -14,13 +14,13 @@ from PIL import Image
 from pydantic import ValidationError
 
 from deployments.config import AppArgs, replica_plan, resolve_device, resolve_num_gpus
-from deployments.encoder_calls import chunk
 from deployments.errors import ErrorCode, RequestError, classify, with_index
-from deployments.inputs import finish_input, open_input, parse_image_string
-from deployments.openai_api import embeddings_body
+from deployments.ingress.encoder_calls import chunk
+from deployments.ingress.inputs import finish_input, open_input, parse_image_string
+from deployments.ingress.openai_api import embeddings_body
+from deployments.ingress.readiness import encoder_ready
 from deployments.preflight import AppConfigError
-from deployments.readiness import encoder_ready
-from deployments.replica_pipeline import Work, best_prefix, check_pixels
+from deployments.replica.pipeline import Work, best_prefix, check_pixels
 from encoder.errors import (
     ConfigError,
     EncoderError,
@@ -31,7 +31,7 @@ from encoder.errors import (
     InvalidImageError,
 )
 from encoder.patchify import patchify_many, stack_patchify
-from encoder.preprocess import PreprocessConfig, load_image, resize_image
+from encoder.preprocessing.qwen import PreprocessConfig, load_image, num_patches, resize_image
 from tests.images_util import encode, random_array, random_image
 from tests.jpeg_bombs import scan_bomb
 from workspace.buckets import BucketKey, default_table
@@ -85,7 +85,7 @@ def test_bucket_tables_and_batch_limits():
     tower = SimpleNamespace(
         merge_unit=4, patches_per_image=None, backends={"full": SimpleNamespace(max_graph_tokens=None)}
     )
-    vision = SimpleNamespace(model=tower, preprocess_config=PP)
+    vision = SimpleNamespace(model=tower, preprocess_config=PP, num_patches=lambda h, w: num_patches(h, w, PP))
 
     def plan(device, **args):
         p = replica_plan(AppArgs(**args), vision, device)
@@ -114,7 +114,7 @@ def test_build_app_from_cli_style_arguments():
     enc = ingress.init_args[0]._bound_deployment
     assert enc.name == "VisionEncoder" and enc.num_replicas == 2 and enc.max_ongoing_requests == 512
     assert enc.ray_actor_options == {"num_cpus": 0.5, "num_gpus": 0.5}
-    routed = build({"request_router_class": "deployments.router:BucketRouter", "request_router_kwargs": {}})
+    routed = build({"request_router_class": "deployments.routing.router:BucketRouter", "request_router_kwargs": {}})
     config = routed._bound_deployment.init_args[0]._bound_deployment._deployment_config.request_router_config
     assert "BucketRouter" in str(config.request_router_class)
     with pytest.raises(AppConfigError, match="num_replicas"):  # one line, before any replica
@@ -292,8 +292,8 @@ def test_replica_keeps_the_prefix_with_the_best_patches_per_replay_cost():
 
 
 def test_ingress_decodes_only_small_pictures_on_its_event_loop():
-    from deployments.decoding import _INLINE_DECODE_PIXELS, _small
-    from deployments.inputs import source_pixels as _source_pixels
+    from deployments.ingress.decoding import _INLINE_DECODE_PIXELS, _small
+    from deployments.ingress.inputs import source_pixels as _source_pixels
 
     small_png = encode(random_image("RGB", 224, 224, 1), "PNG")
     flat = encode(Image.new("RGB", (3000, 2000), (9, 9, 9)), "PNG")  # 9 MB of pixels in a few KB
@@ -306,7 +306,7 @@ def test_ingress_decodes_only_small_pictures_on_its_event_loop():
 def test_bucket_router_is_the_default_and_ray_default_is_selectable():
     from deployments.config import AppArgs
 
-    assert AppArgs().request_router_class == "deployments.router:BucketRouter"
+    assert AppArgs().request_router_class == "deployments.routing.router:BucketRouter"
     assert AppArgs(request_router_class="ray").request_router_class is None
 
 

@@ -6,8 +6,8 @@ import time
 from types import SimpleNamespace
 
 from deployments.errors import ErrorCode, RequestError, shown
-from deployments.openai_api import error_response
-from deployments.readiness import encoder_ready
+from deployments.ingress.openai_api import error_response
+from deployments.ingress.readiness import encoder_ready
 from deployments.shutdown import GRACE_S, QUIET_GRACE_S, SHUTDOWN_MARGIN_S, DrainWatch, drain_timeout
 
 
@@ -88,7 +88,7 @@ def test_drain_watch_admits_only_within_the_grace():
 def test_a_burst_of_health_probes_costs_one_lookup(monkeypatch):
     import asyncio
 
-    import deployments.readiness as readiness
+    import deployments.ingress.readiness as readiness
 
     calls = []
 
@@ -181,10 +181,10 @@ def test_a_draining_ingress_refuses_new_requests_counted_as_overloaded():
     from starlette.requests import Request
 
     from deployments.config import AppArgs
-    from deployments.http_routes import HttpRoutes
-    from deployments.limits import Admission
+    from deployments.ingress.http_routes import HttpRoutes
+    from deployments.ingress.limits import Admission
+    from deployments.ingress.security import ApiKeyAuth
     from deployments.metrics import IngressTelemetry
-    from deployments.security import ApiKeyAuth
 
     telemetry, done = IngressTelemetry(), []
     telemetry.request = lambda route, outcome, *counts: done.append((route, outcome))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import encoder
 from deployments.config import AppArgs, replica_plan
-from deployments.replica import startup_summary
+from deployments.replica.deployment import startup_summary
 from workspace import GraphEncoder
 
 

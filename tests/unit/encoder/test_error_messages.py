@@ -19,9 +19,9 @@ from PIL import Image
 import encoder
 from encoder import ConfigError, EncoderError
 from encoder.errors import reason
-from encoder.patchify import preprocess
-from encoder.preprocess import PreprocessConfig
-from encoder.preprocess_vit import VitPreprocessConfig, preprocess_vit
+from encoder.patchify import preprocess, preprocess_vit
+from encoder.preprocessing.qwen import PreprocessConfig
+from encoder.preprocessing.vit import VitPreprocessConfig
 from tests.hf_models import write_checkpoint
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")

@@ -1,4 +1,4 @@
-"""The graph runner knows towers only through `encoder.tower.GraphTower`: a minimal fake tower
+"""The graph runner knows towers only through `encoder.models.tower.GraphTower`: a minimal fake tower
 (no Qwen, CLIP or SigLIP code) runs through it, and `workspace/` has no per-family branches."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import workspace
-from encoder.tower import Bounds, GraphTower, TowerOutput, frames_dummy, segment_means
+from encoder.models.tower import Bounds, GraphTower, TowerOutput, frames_dummy, segment_means
 from tests.graph_cases import random_batch
 from workspace import BucketTable, GraphRunner
 from workspace.runner import GraphCaptureError

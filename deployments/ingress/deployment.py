@@ -1,0 +1,164 @@
+"""The ingress deployment (CPU): the OpenAI-compatible HTTP API and the Python handle API, wired together.
+
+`VisionIngress` only connects the parts of one ingress replica; each part is its own module:
+
+* `http_routes.HttpRoutes`: what `POST /v1/embeddings`, `GET /v1/models` and `GET /health` do; the request
+  schema, answer bodies and error answers are `openai_api`'s, which status an error gets `errors`'.
+* `handle_calls.HandleCalls`: what `embed` and `embed_llm` do.
+* `decoding.IngressDecoder`: header checks, the request's patch total, then decode and resize to uint8
+  (`inputs`), on the event loop or in this replica's thread pool.
+* `encoder_calls.EncoderClient`: merging callers into encoder requests, splitting big ones, retries.
+* `limits.Admission`, `security.ApiKeyAuth` / `UrlFetcher`, `metrics.IngressTelemetry`.
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see the request class itself in the route
+# signatures of the Serve ingress class.
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.config import AppArgs
+from deployments.ingress.decoding import IngressDecoder
+from deployments.ingress.encoder_calls import EncoderClient
+from deployments.ingress.handle_calls import HandleCalls
+from deployments.ingress.http_routes import HttpRoutes
+from deployments.ingress.inputs import harden_pillow
+from deployments.ingress.limits import Admission
+from deployments.ingress.openai_api import EmbeddingRequest, api
+from deployments.ingress.security import ApiKeyAuth, UrlFetcher
+from deployments.llm_outputs import handle_item
+from deployments.metrics import IngressTelemetry, rss_bytes
+from deployments.ray_compat import check_ray, quiet_serve_noise
+from deployments.shutdown import DrainWatch
+
+logger = logging.getLogger("ray.serve")
+_OPENAPI_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": EmbeddingRequest.model_json_schema(ref_template="#/$defs/{model}")}},
+    }
+}
+
+
+@serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
+@serve.ingress(api)
+class VisionIngress:
+    """HTTP routes (`/v1/embeddings`, `/v1/models`, `/health`) and the handle methods `embed`, `embed_llm`."""
+
+    def __init__(self, encoder: DeploymentHandle, args: dict):
+        check_ray()
+        quiet_serve_noise()  # before the encoder handle's first use logs its router's repr
+        self.args = a = AppArgs.model_validate(args)
+        harden_pillow(a.max_image_pixels)
+        self._pool = ThreadPoolExecutor(a.decode_threads, thread_name_prefix="decode")
+        self.telemetry = IngressTelemetry()
+        self._admission = Admission(a.inflight_limit, a.max_inflight_bytes, a.max_inflight_patches, a.retry_after_s)
+        auth, urls = ApiKeyAuth.from_args(a), UrlFetcher.from_args(a)
+        self._client = EncoderClient(encoder, a, self.telemetry)
+        self._decoder = decoder = IngressDecoder(
+            self._pool, urls, a.max_image_bytes, self.telemetry.timings["inline_decode"],
+            a.decode_processes, a.decode_timeout_s,
+        )  # fmt: skip
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        # the drain waits for admitted requests and for bodies still arriving (they hold bytes, not a slot)
+        self._drain = DrainWatch(
+            replica_id, lambda: self._admission.inflight + (self._admission.bytes > 0), grace_s=a.drain_grace_s
+        )
+        parts = (self._client, decoder, self._admission)
+        self._http = HttpRoutes(a, *parts, auth, self.telemetry, self._pool, self._drain)
+        self._handle = HandleCalls(a, *parts, self.telemetry, self._drain)
+        logger.info(
+            "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request",
+            "required" if auth.enabled else "off",
+            f"from {', '.join(a.url_allowlist)}" if urls.enabled else "off",
+            a.inflight_limit, a.request_timeout_s,
+        )  # fmt: skip
+
+    # -- Python handle API ------------------------------------------------------------------------------------
+    async def embed(self, images, pooling: str | None = None) -> list[np.ndarray]:
+        """Embeddings of `images` (a list of encoded bytes, PIL images, uint8 arrays, data URLs or base64
+        strings; a single image is treated as a list of one): per image a float32 array, [out_dim] for
+        pooling="mean", [tokens, out_dim] for "none". Raises `encoder.EncoderError` subclasses for bad
+        inputs (the message names the position, e.g. "images[3]: ..."), `ray.serve.exceptions.BackPressureError`
+        when the service is over capacity and `TimeoutError` past `request_timeout_s`. The per-image limits
+        (encoded bytes, pixels, formats) apply; the per-request ones (images, patches) are HTTP's."""
+        return await self._handle(images, pooling, None)
+
+    async def embed_llm(self, images, dtype: str | None = "float32") -> list[dict]:
+        """What a VLM's LLM needs in place of its vision tower, per image (inputs, limits and errors as `embed`):
+        `{"tokens": [n, out_dim], "deepstack": [[n, out_dim] per DeepStack layer, model order; [] for towers
+        without], "grid_thw": [t, h, w]}` (the patch grid, as the Hugging Face processor's `image_grid_thw`).
+        The arrays are float32, or with `dtype="float16"` np.float16, with `dtype="bfloat16"` np.uint16 holding
+        bfloat16 bit patterns (`torch.from_numpy(x).view(torch.bfloat16)`); both halve what crosses processes.
+        `dtype=None` is float32."""
+        return [handle_item(w) for w in await self._handle(images, "none", dtype or "float32")]
+
+    async def info(self) -> dict:
+        """The encoder's `describe()` as this ingress uses it (its preprocessing carries the decode limits)."""
+        return await self._client.info()
+
+    def ingress_stats(self) -> dict:
+        """Counters of this ingress replica: calls through the merger, merged batches, encoder requests and
+        retries, rejections, timeouts, errors; what is in flight (requests now, peak, limit; bytes; patches),
+        resident memory and pid, the decode processes' pids and the medians of the last requests' phases."""
+        snapshot = self.telemetry.snapshot()
+        timings = snapshot.pop("timings_ms")
+        return (
+            snapshot
+            | self._admission.snapshot()
+            | {
+                "rss_bytes": rss_bytes(),
+                "pid": os.getpid(),
+                "decode_pids": self._decoder.pids(),
+                "replica_id": serve.get_replica_context().replica_id.unique_id,
+                "timings_ms": timings,
+            }
+        )
+
+    # -- HTTP ------------------------------------------------------------------------------------------------
+    @api.post("/v1/embeddings", openapi_extra=_OPENAPI_BODY)
+    async def embeddings(self, request: Request) -> Response:
+        return await self._http.embeddings(request)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        return self._http.models(request)
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request, model_id: str) -> Response:
+        return self._http.model(request, model_id)
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> Response:
+        return self._http.openapi(request)
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> Response:
+        return self._http.docs(request)
+
+    @api.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the probe of some load balancers
+    async def health(self) -> JSONResponse:
+        """200 while at least one encoder replica can serve ("ok" / "degraded"), else 503. Open without the
+        API key (load balancers probe it); it reveals the model name and replica counts."""
+        return await self._http.health()
+
+    async def readiness(self) -> tuple[bool, dict]:
+        return await self._http.readiness()
+
+    def __del__(self):
+        # Serve calls this after the replica drained its requests (graceful shutdown).
+        drain = getattr(self, "_drain", None)
+        if drain is not None:
+            drain.stop()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        decoder = getattr(self, "_decoder", None)
+        if decoder is not None:
+            decoder.close()

@@ -1,0 +1,264 @@
+"""How the ingress calls the encoder replicas: request merging, splitting and retries.
+
+`EncoderClient.encode(arrays, pooling, llm)` sends resized uint8 images to the encoder deployment with
+`encode_pixels(pixels, pooling=..., num_patches=n, num_images=k)` (pooled vectors) or `encode_llm_pixels(pixels,
+dtype=..., num_patches=n, num_images=k)` (per-token LLM-ready outputs in a wire dtype):
+
+* merging (`ingress_batch_size` > 1): calls that arrive while `ingress_max_concurrent_batches` merged
+  requests are in flight wait and go together in the next one (no timer: an idle call goes out at once),
+  so many one-image clients cost the encoder replica few Serve requests;
+* splitting: a request above the encoder's batch limits goes as several calls (`chunk`, "packs"), at most
+  `ingress_packs_in_flight` of them at once, so other callers' requests interleave with a large one;
+* cancelling: a call given up (deadline, client gone, a sibling pack failed) is cancelled at the encoder
+  too (`aio.await_cancelling`), and a request's packs not yet sent are not sent;
+* retries: a call whose replica died or is unavailable is retried with backoff (encoding is idempotent);
+* transport: a call goes by reference (Ray's object store, as a Ray actor task) when its pixels exceed 2 MiB
+  or its answer is expected to exceed 256 KiB (`answer_bytes`: per-token outputs), else inline over gRPC
+  in Ray's throughput mode. Over gRPC the encoder replica pickles each answer into its response message on
+  its event loop, which also runs the batching: with bfloat16 answers of ~3 224x224 images (1.4 MB) per
+  call that loop held the GIL 55% of the time (26 points in native code under the loop: uvloop, gRPC),
+  the GPU was busy 63% and the answers ran at 81% of the pooled ones (py-spy on the H200, BENCHMARKS.md,
+  issue 14). By reference, Ray serialises the answer off that loop (numpy buffers out of band, into shared
+  memory) and the ingress reads the arrays in place: GPU 89% busy, 93-96% of the pooled throughput.
+
+`info()` is the encoder's `describe()`, fetched once, with the application's decode limits wired into its
+preprocessing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from deployments.aio import await_cancelling, gather_or_cancel
+from deployments.batching import ContinuousBatcher
+from deployments.config import AppArgs
+from deployments.errors import UNAVAILABLE_ERRORS
+from deployments.ingress.inputs import ingress_preprocess_config
+from deployments.llm_outputs import wire_itemsize
+from deployments.metrics import IngressTelemetry
+from deployments.ray_compat import by_reference, call_as_new_request
+from encoder.preprocessing.vit import preprocess_config_from_dump
+
+logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
+
+# Encoder requests with more pixel bytes than this, or answers expected above _INLINE_ANSWER_BYTES, go by
+# reference (object store), not inline over gRPC (see the module docstring).
+_INLINE_BYTES = 2 * 2**20
+_INLINE_ANSWER_BYTES = 256 * 2**10
+
+
+@dataclass
+class Call:
+    """One caller's images waiting to be merged with others into an encoder request."""
+
+    arrays: list[np.ndarray]
+    counts: list[int]
+    pooling: str
+    llm: str | None = None  # LLM-ready outputs in this wire dtype (`encode_llm_pixels`) instead of pooled vectors
+    deadline: float | None = None  # time.time() past which nobody waits for it
+
+    @property
+    def patches(self) -> int:
+        return sum(self.counts)
+
+
+def chunk(counts: list[int], max_patches: int, max_images: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of consecutive images, each within the encoder's batch limits."""
+    ranges, start, total = [], 0, 0
+    for i, c in enumerate(counts):
+        if i > start and (total + c > max_patches or i - start >= max_images):
+            ranges.append((start, i))
+            start, total = i, 0
+        total += c
+    if counts:
+        ranges.append((start, len(counts)))
+    return ranges
+
+
+def answer_bytes(info: dict, counts: list[int], pooling: str, llm: str | None) -> int:
+    """The bytes of an encoder call's answer for images of `counts` patches: per image a pooled vector, a
+    float32 token matrix (`pooling="none"`) or the LLM-ready outputs in the wire dtype `llm` (tokens and
+    each DeepStack layer). `info`: the encoder's `describe()` (`EncoderClient.info`)."""
+    if llm is None and pooling != "none":
+        return 4 * len(counts) * info["output_dims"].get(pooling, info["out_dim"])
+    m = info["preprocess_config"].merge_size
+    tokens = sum(c // (m * m) for c in counts)
+    if llm is None:
+        return 4 * tokens * info["output_dims"].get("none", info["out_dim"])
+    return wire_itemsize(llm) * tokens * info["out_dim"] * (1 + info["deepstack_layers"])
+
+
+def backoff_s(attempt: int, base_s: float, cap_s: float = 2.0) -> float:
+    """Delay before retry `attempt` (1-based): base * 2^(attempt-1), capped, with +-50% jitter."""
+    return min(cap_s, base_s * 2 ** (attempt - 1)) * (0.5 + random.random())
+
+
+async def call_with_retries(
+    call: Callable[[], Awaitable[T]],
+    retries: int,
+    base_s: float,
+    on_retry: Callable[[BaseException, int], None] | None = None,
+) -> T:
+    """`await call()`, again (at most `retries` times, with backoff) when it fails with an unavailable-replica
+    error. Only for idempotent calls. Other errors (the request's own, backpressure) propagate at once."""
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except UNAVAILABLE_ERRORS as e:
+            if attempt >= retries:
+                raise
+            attempt += 1
+            if on_retry is not None:
+                on_retry(e, attempt)
+            await asyncio.sleep(backoff_s(attempt, base_s))
+
+
+class EncoderClient:
+    """The ingress replica's side of the encoder deployment (see the module docstring)."""
+
+    def __init__(self, encoder: DeploymentHandle, args: AppArgs, telemetry: IngressTelemetry):
+        self.args = args
+        self._encoder = encoder
+        # Big payloads go through Ray's object store (shared memory on one node, no gRPC message cap) even
+        # when Serve sends requests over gRPC (RAY_SERVE_THROUGHPUT_OPTIMIZED=1); small ones stay inline.
+        self._encoder_by_ref = by_reference(encoder)
+        self._telemetry = telemetry
+        self._info: dict | None = None
+        self._info_lock = asyncio.Lock()
+        self._merge = None
+        if args.ingress_batch_size > 1:
+            limit = args.ingress_batch_size
+            self._merge = ContinuousBatcher(
+                self._run_merged, lambda patches, images: images <= limit, args.ingress_max_concurrent_batches
+            )
+
+    async def info(self) -> dict:
+        """The encoder's `describe()` (model, out_dim, preprocessing, batch limits), fetched once; its
+        `preprocess_config` carries this application's decode limits (pixels, formats)."""
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    info = await self._retrying(lambda: await_cancelling(call_as_new_request(self._encoder.describe)))
+                    model_pp = preprocess_config_from_dump(info["preprocess"])
+                    info["preprocess_config"] = ingress_preprocess_config(
+                        model_pp, self.args.max_image_pixels, self.args.image_formats
+                    )
+                    self._info = info
+        return self._info
+
+    async def _retrying(self, make_call):
+        def retried(error: BaseException, attempt: int) -> None:
+            self._telemetry.count("encoder_retries")
+            self._telemetry.metrics.retries.inc()
+            logger.warning("encoder call failed (%s: %s); retry %d", type(error).__name__, error, attempt)
+
+        try:
+            return await call_with_retries(
+                make_call, self.args.encoder_retries, self.args.encoder_retry_backoff_s, retried
+            )
+        except BackPressureError:
+            self._telemetry.count("encoder_backpressure")
+            raise
+
+    async def encode(
+        self, arrays: list[np.ndarray], pooling: str, llm: str | None = None, deadline: float | None = None
+    ) -> tuple[list, int]:
+        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`; and the patches.
+        `deadline` (`time.time()`): the request's, sent along so the encoder drops the work once it passed."""
+        info = await self.info()
+        p = info["preprocess_config"].patch_size
+        counts = [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays]
+        # only what fits one encoder call is merged: a request of several packs would hold a merge slot (and
+        # the callers merged with it) for all of them
+        small = len(arrays) < self.args.ingress_batch_size and sum(counts) <= info["max_batch_patches"]
+        if self._merge is not None and small:
+            self._telemetry.count("merged_calls")
+            return await self._merge(Call(arrays, counts, pooling, llm, deadline)), sum(counts)
+        return await self._send(arrays, counts, pooling, llm, deadline), sum(counts)
+
+    async def _send(
+        self,
+        arrays: list[np.ndarray],
+        counts: list[int],
+        pooling: str,
+        llm: str | None = None,
+        deadline: float | None = None,
+    ) -> list:
+        info = await self.info()
+        parts = chunk(counts, info["max_batch_patches"], info["max_batch_images"])
+
+        def call(s: int, e: int):
+            big = (
+                sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES
+                or answer_bytes(info, counts[s:e], pooling, llm) > _INLINE_ANSWER_BYTES
+            )
+            handle = self._encoder_by_ref if big else self._encoder
+            # what the router reads (`router_assignment.request_size`): a bucket caps images as well as patches
+            size = {"num_patches": sum(counts[s:e]), "num_images": e - s, "deadline": deadline}
+            if llm is not None:
+                method, kwargs = handle.encode_llm_pixels, {"dtype": llm, **size}
+            else:
+                method, kwargs = handle.encode_pixels, {"pooling": pooling, **size}
+            route = "by_reference" if big else "inline"
+
+            async def timed() -> list:
+                started = time.perf_counter()
+                out = await await_cancelling(call_as_new_request(method, arrays[s:e], **kwargs))
+                self._telemetry.timings["encoder_call"].add(**{route: time.perf_counter() - started})
+                return out
+
+            return timed
+
+        if len(parts) == 1:
+            self._telemetry.count("encoder_requests")
+            return await self._retrying(call(*parts[0]))
+        # At most `ingress_packs_in_flight` packs of one request are with the encoder at once, in order: a
+        # request queued behind a large one waits for that many packs, not all of them; and when the request
+        # is given up (deadline, disconnect, a failed pack) its packs not yet sent are never sent.
+        window = asyncio.Semaphore(self.args.ingress_packs_in_flight)
+
+        async def pack(s: int, e: int) -> list:
+            async with window:
+                self._telemetry.count("encoder_requests")
+                return await self._retrying(call(s, e))
+
+        results = await gather_or_cancel(pack(s, e) for s, e in parts)
+        return [v for part in results for v in part]
+
+    async def _run_merged(self, calls: list[Call]) -> list[list[np.ndarray]]:
+        self._telemetry.count("merged_batches")
+        out: list[list | None] = [None] * len(calls)
+        groups: dict[tuple[str, str | None], list[int]] = {}
+        for i, c in enumerate(calls):
+            groups.setdefault((c.pooling, c.llm), []).append(i)
+
+        async def run(mode: tuple[str, str | None], members: list[int]) -> None:
+            arrays = [x for i in members for x in calls[i].arrays]
+            counts = [n for i in members for n in calls[i].counts]
+            deadlines = [calls[i].deadline for i in members]
+            # the merged call is wanted until its last caller's deadline
+            deadline = None if None in deadlines else max(deadlines)
+            self._telemetry.metrics.merged.observe(len(arrays))
+            vectors = await self._send(arrays, counts, *mode, deadline)
+            pos = 0
+            for i in members:
+                out[i] = vectors[pos : pos + len(calls[i].arrays)]
+                pos += len(calls[i].arrays)
+
+        if len(groups) == 1:  # the usual case: no task for gather to wrap it in
+            await run(*next(iter(groups.items())))
+        else:
+            await asyncio.gather(*(run(p, m) for p, m in groups.items()))
+        return out

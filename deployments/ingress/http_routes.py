@@ -1,0 +1,252 @@
+"""What the ingress's HTTP routes do (`VisionIngress` binds them to `deployments.ingress.openai_api.api`).
+
+`POST /v1/embeddings`: API key (401), drain (503 `shutting_down` with Retry-After while the service shuts down,
+`shutdown.DrainWatch`), Content-Type (415), the body (`limits.read_body`: size 413, its own deadline 408) with
+its bytes and the headers' held against the replica's byte budget, admission once it has arrived
+(`limits.Admission`: 429 at once over `inflight_limit` requests, `max_inflight_bytes` or, once the image
+headers are read, `max_inflight_patches`), JSON and schema (400 / 422), the model name (404), image count
+(413), pooling and dimensions (400), then the images (`IngressDecoder`: 400 / 413 / 415) and the encoder call
+(`EncoderClient`), all under the request's time limit (504; 408 while the body was arriving). Every error is
+an OpenAI error object (`openai_api.error_response`).
+`GET /v1/models`, `GET /health` (`Readiness`: 200 with `status` "ok" or "degraded" while an encoder replica
+can serve; 503 "starting", "unavailable" or "draining").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from fastapi import Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from deployments.config import AppArgs
+from deployments.errors import DISCONNECTED, ErrorCode, RequestError, classify, shown
+from deployments.ingress.decoding import IngressDecoder
+from deployments.ingress.encoder_calls import EncoderClient
+from deployments.ingress.limits import Admission, Ticket, check_content_type, header_bytes, read_body
+from deployments.ingress.memory import MemoryTrimmer
+from deployments.ingress.openai_api import EmbeddingRequest, embeddings_body, error_response, parse_embedding_request
+from deployments.ingress.readiness import Readiness
+from deployments.ingress.security import ApiKeyAuth
+from deployments.metrics import IngressTelemetry
+from deployments.shutdown import DrainWatch
+
+# Bodies above this are parsed off the event loop.
+_PARSE_INLINE_BYTES = 256 * 1024
+# Answers costing more than this (float32 elements written as JSON text; an element in base64 is counted as
+# 1/40 of one) are built in the thread pool. Measured on a CPU of the project machines: 64 x 3,584 float32
+# tokens take ~6 ms as JSON text and ~0.1 ms as base64, less than the hand-off to a thread and back.
+_ANSWER_INLINE = 65536
+
+
+def _answer_cost(outputs: list, encoding_format: str) -> float:
+    elements = 0
+    for o in outputs:
+        if isinstance(o, tuple):
+            elements += o[0].size * (1 + len(o[1]))
+        else:
+            elements += o.size
+    return elements if encoding_format != "base64" else elements / 40
+
+
+class HttpRoutes:
+    """The bodies of the HTTP routes of one ingress replica (see the module docstring)."""
+
+    def __init__(
+        self,
+        args: AppArgs,
+        client: EncoderClient,
+        decoder: IngressDecoder,
+        admission: Admission,
+        auth: ApiKeyAuth,
+        telemetry: IngressTelemetry,
+        pool: ThreadPoolExecutor,
+        drain: DrainWatch | None = None,
+    ):
+        self.args, self._client, self._decoder, self._admission = args, client, decoder, admission
+        self._auth, self._telemetry, self._pool = auth, telemetry, pool
+        self._model_name = args.model_name
+        self._created = int(time.time())
+        self._drain = drain
+        draining = (lambda: drain.draining) if drain is not None else (lambda: False)
+        self.readiness = Readiness(client.info, args.num_replicas, draining)
+        self._trimmer = MemoryTrimmer(pool)
+
+    def _error(self, exc: BaseException) -> tuple[Response, str]:
+        """The error answer and its metrics outcome."""
+        outcome = classify(exc).error.outcome
+        self._telemetry.answered(outcome)
+        return error_response(exc, self.args.retry_after_s), outcome
+
+    async def embeddings(self, request: Request) -> Response:
+        started = time.perf_counter()
+        telemetry = self._telemetry
+        try:
+            self._auth.check(request.headers.get("authorization"))
+        except RequestError as e:
+            telemetry.request("http", "unauthorized", 0, 0, time.perf_counter() - started)
+            return self._error(e)[0]
+        if self._drain is not None and not self._drain.admitting():
+            telemetry.request("http", "overloaded", 0, 0, time.perf_counter() - started)
+            return self._error(RequestError("the service is shutting down", ErrorCode.SHUTTING_DOWN, None))[0]
+        admission, ticket = self._admission, Ticket()
+        n_images, patches = 0, 0
+        reading = True
+        timer = asyncio.timeout(self.args.request_timeout_s)
+        try:
+            async with timer:
+                # bytes first (headers, then the body as it arrives); the request slot only once the body is
+                # here, so a slow body holds bytes it sent, never a slot (issue 17)
+                admission.reserve_bytes(ticket, header_bytes(request))
+                check_content_type(request.headers.get("content-type"), request.headers.get("content-encoding"))
+                body = await read_body(
+                    request, self.args.max_request_bytes, partial(admission.reserve_bytes, ticket),
+                    self.args.body_timeout_s, self.args.body_min_rate,
+                )  # fmt: skip
+                reading = False
+                admission.enter(ticket)
+                if len(body) > _PARSE_INLINE_BYTES:
+                    parsed = await asyncio.get_running_loop().run_in_executor(self._pool, parse_embedding_request, body)
+                else:
+                    parsed = parse_embedding_request(body)
+                del body
+                inputs = [parsed.input] if isinstance(parsed.input, str) else parsed.input
+                n_images = len(inputs)
+                content, patches = await self._embeddings(parsed, inputs, started, ticket)
+            telemetry.request("http", "ok", n_images, patches, time.perf_counter() - started)
+            return Response(content=content, media_type="application/json")
+        except asyncio.CancelledError:  # the client went away (mid-body: `limits.read_body`); Serve cancelled us
+            telemetry.request("http", DISCONNECTED, n_images, patches, time.perf_counter() - started)
+            raise
+        except Exception as e:
+            if isinstance(e, ClientDisconnect):  # gone before its body arrived (e.g. short of its Content-Length)
+                e = RequestError(
+                    "the client disconnected before its request body arrived", ErrorCode.INVALID_REQUEST, None
+                )
+            if isinstance(e, TimeoutError) and timer.expired():
+                if reading:  # the client did not finish sending its body in time
+                    e = RequestError(
+                        f"the request body did not arrive within {self.args.request_timeout_s:g}s",
+                        ErrorCode.REQUEST_TIMEOUT, None,
+                    )  # fmt: skip
+            response, outcome = self._error(e)
+            telemetry.request("http", outcome, n_images, patches, time.perf_counter() - started)
+            return response
+        finally:
+            held = ticket.bytes
+            admission.leave(ticket)
+            self._trimmer.trim_after(held)
+
+    async def _embeddings(
+        self, body: EmbeddingRequest, inputs: list[str], started: float, ticket: Ticket
+    ) -> tuple[bytes, int]:
+        a = self.args
+        if body.model is not None and body.model != self._model_name:
+            raise self._unknown_model(body.model)
+        if len(inputs) > a.max_request_images:
+            raise RequestError(
+                f"{len(inputs)} images in one request; the limit is {a.max_request_images}", ErrorCode.TOO_MANY_IMAGES
+            )
+        info = await self._client.info()
+        pooling = body.pooling or info["default_pooling"]
+        dim = info["output_dims"].get(pooling)
+        if dim is None:
+            raise RequestError(
+                f"pooling {pooling!r} is not supported by this model; supported: {', '.join(info['output_dims'])}",
+                ErrorCode.INVALID_POOLING, "pooling",
+            )  # fmt: skip
+        if body.dimensions is not None and body.dimensions != dim:
+            raise RequestError(
+                f"dimensions={body.dimensions} is not supported; this model outputs {dim} with pooling={pooling}",
+                ErrorCode.INVALID_DIMENSIONS, "dimensions",
+            )  # fmt: skip
+        decode_at = time.perf_counter()
+        reserve = partial(self._admission.reserve_patches, ticket)
+        arrays = await self._decoder.prepare(inputs, info["preprocess_config"], "input", a.max_request_patches, reserve)
+        encode_at = time.perf_counter()
+        # pooling none: the LLM-ready outputs (tokens, DeepStack, patch grid), cast on the replica to the
+        # base64 element type (a bfloat16 answer crosses from the replica at half the bytes)
+        dtype = body.embedding_dtype
+        llm = dtype if pooling == "none" else None
+        deadline = time.time() + a.request_timeout_s - (time.perf_counter() - started)
+        vectors, patches = await self._client.encode(arrays, pooling, llm, deadline)
+        answer_at = time.perf_counter()
+        del arrays
+        args = (vectors, body.encoding_format, self._model_name, patches, dtype)
+        if _answer_cost(vectors, body.encoding_format) > _ANSWER_INLINE:  # keep big encodes off the event loop
+            content = await asyncio.get_running_loop().run_in_executor(self._pool, embeddings_body, *args)
+        else:
+            content = embeddings_body(*args)
+        done = time.perf_counter()
+        self._telemetry.timings["http"].add(
+            total=done - started, parse=decode_at - started, decode=encode_at - decode_at,
+            encode=answer_at - encode_at, answer=done - answer_at,
+        )  # fmt: skip
+        return content, patches
+
+    def _refused(self, request: Request) -> Response | None:
+        """The 401 answer when an API key is set and `request` lacks it, else None."""
+        try:
+            self._auth.check(request.headers.get("authorization"))
+        except RequestError as e:
+            return self._error(e)[0]
+        return None
+
+    def openapi(self, request: Request) -> Response:
+        """The OpenAPI schema (behind the API key when one is set: it maps the whole surface)."""
+        return self._refused(request) or JSONResponse(request.app.openapi())
+
+    def docs(self, request: Request) -> Response:
+        """Swagger UI. With an API key set, the page itself needs the key, and so does the schema it loads
+        (a browser cannot send the header: use the schema with curl or a client that sets it)."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        root = request.scope.get("root_path", "").rstrip("/")  # the app's route prefix
+        return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=request.app.title)
+
+    def _model_object(self) -> dict:
+        return {
+            "id": self._model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "vision",
+            # extension: a preset's seeded random weights embed nothing meaningful; say so
+            "random_weights": self.args.random_weights,
+        }
+
+    def models(self, request: Request) -> Response:
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    def model(self, request: Request, model_id: str) -> Response:
+        """`GET /v1/models/{id}` (OpenAI's "retrieve model"; ids may hold `/`): the model, or 404."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        if model_id != self._model_name:
+            return error_response(self._unknown_model(model_id))
+        return JSONResponse(self._model_object())
+
+    def _unknown_model(self, name: str) -> RequestError:
+        return RequestError(
+            f"model {shown(name)} is not served here; available: {self._model_name!r}",
+            ErrorCode.MODEL_NOT_FOUND,
+            "model",
+        )
+
+    async def health(self) -> JSONResponse:
+        """200 while at least one encoder replica can serve (`status` "ok", or "degraded" when some of the
+        configured replicas cannot), else 503 ("starting", "unavailable", "draining"). Open without the API
+        key (load balancers probe it); it reveals the model name and replica counts."""
+        ready, detail = await self.readiness()
+        if ready:  # start the decode processes before the first request needs them
+            self._decoder.warm((await self._client.info())["preprocess_config"])
+        return JSONResponse(detail | {"model": self._model_name}, status_code=200 if ready else 503)

@@ -1,0 +1,98 @@
+"""The protocol between a vision tower and the graph runner (`workspace.GraphRunner`).
+
+The runner knows nothing about families. Every tower (Qwen2-VL / 2.5-VL, Qwen3-VL / 3.5, CLIP,
+SigLIP, the next one) answers the same questions:
+
+  * what one packed patch row is (`patch_dim`) and how many patches make one output token
+    (`merge_unit`); for fixed-resolution towers, how many patches every image has
+    (`patches_per_image`; None for variable-resolution towers);
+  * the static sizes baked into a bucket's graph (`bucket_bounds(key, max_image_patches)`), and the
+    tight ones of one concrete batch (`batch_bounds(grid)`) for eager runs;
+  * a valid geometry to warm up and capture with (`dummy_frames(key, bounds)`);
+  * the body (`forward_packed(pixel_values, frames_hw, bounds)`): one fixed sequence of tensor ops,
+    no host reads of image data, so it is captured into a graph on CUDA and run as-is on the CPU
+    and for batches no bucket fits;
+  * the outputs it writes (`TowerOutput`: tokens, per-slot means, the model's own pooled embedding
+    where it has one, DeepStack features where it has them).
+
+The static buffers a bucket needs are the same for every tower today: packed patches
+`[budget, patch_dim]` and the per-frame grid `[max_images, 2]` (rows of (h, w) in patches; zero rows
+are empty slots). Everything else (segments, rotary tables, window permutation, position
+interpolation weights) is computed by the body from those two, inside the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from encoder.attention import AttentionBackend
+from encoder.kernels.elementwise import segment_means  # noqa: F401  (the towers' and tests' name for it)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Static sizes of one graph: the longest segment and the number of window segments."""
+
+    max_seqlen: int  # upper bound on one frame's tokens inside the blocks
+    window_slots: int = 0  # static count of window-attention segments (extra ones are empty)
+
+
+@dataclass
+class TowerOutput:
+    """What a tower's body writes for `max_images` frame slots (padding slots and rows included)."""
+
+    tokens: torch.Tensor  # [rows / merge_unit, token_dim] output tokens, model dtype (or float32)
+    means: torch.Tensor  # [slots, token_dim] float32 mean of each slot's tokens (0 for empty slots)
+    pooled: torch.Tensor | None = None  # [slots, out_dim] float32 model embedding (CLIP / SigLIP)
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # each [rows / merge_unit, out_dim]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.tokens, self.means, self.pooled, *self.deepstack) if t is not None]
+
+    def copy_(self, other: TowerOutput) -> None:
+        """Write `other` into these (static) tensors: how a captured body keeps its output addresses."""
+        for dst, src in zip(self.tensors(), other.tensors(), strict=True):
+            dst.copy_(src)
+
+
+@runtime_checkable
+class GraphTower(Protocol):
+    """What `workspace.GraphRunner` needs from a tower (see the module docstring)."""
+
+    patch_dim: int
+    merge_unit: int
+    patches_per_image: int | None
+
+    def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds: ...
+
+    def batch_bounds(self, grid: list[list[int]]) -> Bounds: ...
+
+    def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor: ...
+
+    def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput: ...
+
+
+def frames_dummy(budget: int, max_images: int, bounds: Bounds, merge: int) -> torch.Tensor:
+    """A valid variable-resolution geometry for warm-up and capture: one image spanning the budget
+    (merge x budget/merge patches) or, when the bounds cap one image's size, as many bound-size
+    images as fit; the other slots empty."""
+    frames = torch.zeros(max_images, 2, dtype=torch.long)
+    rows = max(1, min(max_images, -(-budget // bounds.max_seqlen)))
+    per = budget // rows // (merge * merge) * (merge * merge)
+    for i in range(rows):
+        frames[i] = torch.tensor([merge, per // merge])
+    return frames
+
+
+def backends_per_kind(backend: AttentionBackend | Mapping[str, AttentionBackend] | None, kinds: tuple[str, ...]):
+    """kind -> backend for a tower's layer kinds ("full", and "window" for windowed towers): one
+    backend for every kind (None: set later), or a mapping that names each."""
+    if backend is None or isinstance(backend, AttentionBackend):
+        return dict.fromkeys(kinds, backend)
+    missing = [k for k in kinds if k not in backend]
+    assert not missing, f"no attention backend for layer kinds {missing}"
+    return {k: backend[k] for k in kinds}

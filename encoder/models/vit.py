@@ -1,0 +1,338 @@
+"""CLIP and SigLIP vision towers over packed fixed-resolution images.
+
+Every image is the same number of patches (L = (image_size / patch_size)^2), so a batch of n images
+is n * L patch rows, the blocks see n * T tokens (T = L, plus a class token for CLIP), and
+attention runs through the project's varlen backends with one segment of T tokens per image. The
+segment boundaries are data (`segments(frames_hw)`), never Python values: inside a captured graph
+image slots past the real ones become empty segments, exactly as for the Qwen towers.
+
+Parameter names mirror the Hugging Face vision models (`embeddings.patch_embedding`,
+`encoder.layers.N.self_attn.q_proj`, `post_layernorm`, `head.attention.in_proj_weight`,
+`visual_projection`), so loading is a rename-free copy except the Conv2d patch embedding, kept here
+as a linear layer over the flattened patch (a convolution whose kernel equals its stride).
+
+Numerics follow the Qwen towers: the residual stream is float32 for the whole tower (each residual
+add fused with the LayerNorm after it), GEMM inputs are in the model dtype, and the small per-image
+tails (CLIP's class-token LayerNorm and projection, the SigLIP head's residual and LayerNorm) run in
+float32.
+
+Outputs of `forward(pixel_values, cu_seqlens)`: (tokens, pooled)
+  * tokens: [n * L, width], the patch tokens of HF's `last_hidden_state` (CLIP: without the class
+    token, before `post_layernorm`, float32; SigLIP: after `post_layernorm`, model dtype);
+  * pooled: [n, out_dim] float32, the model's own image embedding (CLIP `image_embeds`, SigLIP
+    `pooler_output`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from encoder.attention import AttentionBackend
+from encoder.config import ClipVisionConfig, SiglipVisionConfig, VitVisionConfig
+from encoder.kernels.elementwise import add_norm, linear_float32_out, linear_gelu_tanh
+from encoder.models.fusion import concat_linears, pad_hidden
+from encoder.models.layers import activation, norm_args
+from encoder.models.tower import Bounds, TowerOutput, backends_per_kind
+
+
+class VitMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str, layers: tuple[nn.Linear, nn.Linear] | None = None):
+        super().__init__()
+        self.act = act
+        self.fc1, self.fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        if self.act == "gelu_pytorch_tanh":  # SigLIP: the activation in the fc1 GEMM's epilogue
+            return self.fc2(linear_gelu_tanh(x, self.fc1))
+        return self.fc2(activation(self.fc1(x), self.act))
+
+    def fused(self, multiple: int) -> VitMLP:
+        """The same MLP, hidden width zero-padded to a multiple (exact: every activation has act(0) = 0)."""
+        pair = pad_hidden(self.fc1, self.fc2, multiple)
+        return self if pair is None else VitMLP(0, 0, self.act, layers=pair)
+
+
+class VitAttention(nn.Module):
+    """Self-attention over packed tokens; q/k/v projections as in HF (`fused()` puts them in one GEMM)."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.backend: AttentionBackend | None = None  # set by the tower
+
+    def qkv(self, x: torch.Tensor):
+        s, d = x.shape
+        heads = self.num_heads
+        return (proj(x).view(s, heads, d // heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
+
+    def forward(self, x, cu_seqlens, max_seqlen):
+        # x: [S, D] packed tokens in the model dtype
+        s, d = x.shape
+        q, k, v = self.qkv(x)
+        out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=q.dtype, device=q.device)
+        self.backend(q, k, v, cu_seqlens, max_seqlen, out)
+        return self.out_proj(out.view(s, d))
+
+    def fused(self) -> FusedQKVAttention:
+        return FusedQKVAttention(concat_linears(self.q_proj, self.k_proj, self.v_proj), self.out_proj, self)
+
+
+class FusedQKVAttention(VitAttention):
+    """The same attention with q, k and v in one [3D, D] GEMM (exact: the same dot products)."""
+
+    def __init__(self, qkv_proj: nn.Linear, out_proj: nn.Linear, like: VitAttention):
+        nn.Module.__init__(self)
+        self.num_heads, self.backend = like.num_heads, like.backend
+        self.qkv_proj, self.out_proj = qkv_proj, out_proj
+
+    def qkv(self, x: torch.Tensor):
+        # views with unit stride on the head dim; every backend accepts the other strides
+        s, d = x.shape
+        return self.qkv_proj(x).view(s, 3, self.num_heads, d // self.num_heads).unbind(1)
+
+    def fused(self) -> FusedQKVAttention:
+        return self
+
+
+class VitLayer(nn.Module):
+    def __init__(self, cfg: VitVisionConfig):
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+        self.self_attn = VitAttention(cfg.width, cfg.num_heads)
+        self.layer_norm2 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+        self.mlp = VitMLP(cfg.width, cfg.mlp_dim, cfg.hidden_act)
+
+    def forward(self, x, delta, cu_seqlens, max_seqlen):
+        """Pre-norm block on the residual stream x + delta (delta None on the first block); each
+        residual add is fused with the norm after it. Returns the new (x, delta)."""
+        x, h = add_norm(x, delta, *norm_args(self.layer_norm1))
+        x, h = add_norm(self.self_attn(h, cu_seqlens, max_seqlen), x, *norm_args(self.layer_norm2))
+        return x, self.mlp(h)
+
+
+class VitEncoder(nn.Module):
+    def __init__(self, cfg: VitVisionConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(VitLayer(cfg) for _ in range(cfg.depth))
+
+
+class VitEmbeddings(nn.Module):
+    def __init__(self, cfg: VitVisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        # a Conv2d [D, C, P, P] in checkpoints (bias in SigLIP only), a linear over C*P*P here
+        self.patch_embedding = nn.Linear(cfg.patch_dim, cfg.width, bias=not cfg.has_class_token)
+        if cfg.has_class_token:
+            self.class_embedding = nn.Parameter(torch.zeros(cfg.width))
+        self.position_embedding = nn.Embedding(cfg.seq_len, cfg.width)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # [n * L, C*P*P] -> [n * T, D] float32: the start of the float32 residual stream; pixels are
+        # not rounded to the model dtype (`kernels.linear_float32_out`)
+        cfg = self.cfg
+        n = pixel_values.shape[0] // cfg.num_patches
+        bias = self.patch_embedding.bias
+        e = linear_float32_out(pixel_values.float(), self.patch_embedding.weight, bias)
+        pos = self.position_embedding.weight.float()
+        if not cfg.has_class_token:
+            return (e.view(n, cfg.num_patches, -1) + pos).view(n * cfg.seq_len, -1)
+        out = torch.empty(n, cfg.seq_len, cfg.width, dtype=torch.float32, device=e.device)
+        out[:, 0] = self.class_embedding.float() + pos[0]
+        out[:, 1:] = e.view(n, cfg.num_patches, -1) + pos[1:]
+        return out.view(n * cfg.seq_len, -1)
+
+
+class PoolingAttention(nn.Module):
+    """The parameters of `nn.MultiheadAttention` (packed in_proj, out_proj), computed here directly."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * dim, dim))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * dim))
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, query: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        # query: [D] (the probe), tokens: [n, T, D] -> [n, D], all in the model dtype
+        n, t, d = tokens.shape
+        heads, head_dim = self.num_heads, d // self.num_heads
+        w, b = self.in_proj_weight, self.in_proj_bias
+        q = F.linear(query.view(1, d), w[:d], b[:d]).view(1, heads, 1, head_dim).expand(n, -1, -1, -1)
+        kv = F.linear(tokens, w[d:], b[d:]).view(n, t, 2, heads, head_dim)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [n, H, T, hd]
+        # one query per image: images are independent batch entries, so padding slots stay apart
+        o = F.scaled_dot_product_attention(q, k, v)  # [n, H, 1, hd]
+        return self.out_proj(o.reshape(n, d))
+
+
+class AttentionPoolingHead(nn.Module):
+    """SigLIP's MultiheadAttentionPoolingHead: a learned probe attends over the image's tokens."""
+
+    def __init__(self, cfg: SiglipVisionConfig):
+        super().__init__()
+        self.probe = nn.Parameter(torch.zeros(1, 1, cfg.width))
+        self.attention = PoolingAttention(cfg.width, cfg.num_heads)
+        self.layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+        self.mlp = VitMLP(cfg.width, cfg.mlp_dim, cfg.hidden_act)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [n, T, D] model dtype -> [n, D] float32 (residual and norm in float32)
+        r = self.attention(self.probe.view(-1), tokens).float()
+        ln = self.layernorm
+        y = F.layer_norm(r, (r.shape[-1],), ln.weight.float(), ln.bias.float(), ln.eps).to(tokens.dtype)
+        return r + self.mlp(y).float()
+
+
+class VitTower(nn.Module):
+    """Shared body of the CLIP and SigLIP towers (see the module docstring)."""
+
+    # where the tower's weights sit in a checkpoint: under `vision_model.` (full CLIPModel /
+    # SiglipModel, CLIPVisionModelWithProjection, older SiglipVisionModel) or at the top level
+    # (SiglipVisionModel / CLIPVisionModel saved by transformers 5)
+    checkpoint_prefixes: tuple[str, ...] = ("vision_model.", "")
+    # weights outside the vision model in every layout (CLIP's projection)
+    checkpoint_top_level: tuple[str, ...] = ()
+
+    def __init__(self, cfg: VitVisionConfig, backend: AttentionBackend):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = VitEmbeddings(cfg)
+        self.encoder = VitEncoder(cfg)
+        self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+
+    # -- the graph protocol (encoder.models.tower) ------------------------------------------------------
+    # every image is L patches: a bucket is n whole images (budget n * L), one segment of T tokens each
+
+    @property
+    def patch_dim(self) -> int:
+        return self.cfg.patch_dim
+
+    merge_unit = 1  # one output token per patch
+
+    @property
+    def patches_per_image(self) -> int:
+        return self.cfg.num_patches
+
+    @property
+    def seq_len(self) -> int:
+        return self.cfg.seq_len
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.encoder.layers
+
+    def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds:
+        return Bounds(self.seq_len)
+
+    def batch_bounds(self, grid: list[list[int]]) -> Bounds:
+        return Bounds(self.seq_len)
+
+    def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor:
+        return torch.tensor([self.cfg.grid, self.cfg.grid]).repeat(max_images, 1)  # every slot real
+
+    def segments(self, frames_hw: torch.Tensor) -> torch.Tensor:
+        """cu_seqlens [N + 1] int32 for N image slots; slots with a zero (h, w) row are empty segments.
+
+        Real images come first, so the boundaries are 0, T, 2T, ..., kT, kT, ...: computed on the
+        device from data, so a captured graph stays right for any image count.
+        """
+        real = (frames_hw[:, 0] * frames_hw[:, 1] > 0).to(torch.int32)
+        return F.pad(torch.cumsum(real * self.seq_len, 0), (1, 0)).to(torch.int32)
+
+    def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
+        # pixel_values: [n * L, C*P*P] for n = frames_hw.shape[0] slots; padding slots are whole
+        # images of stale rows in empty segments, never mixed with real ones
+        tokens, pooled = self(pixel_values, self.segments(frames_hw))  # [n * L, dim], [n, out_dim]
+        means = tokens.view(frames_hw.shape[0], self.cfg.num_patches, -1).float().mean(1)
+        return TowerOutput(tokens, means, pooled)
+
+    # -- layout changes ---------------------------------------------------------------------------
+    attention_kinds = ("full",)  # one segment per image in every layer
+
+    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
+        self.backends = backends_per_kind(backend, self.attention_kinds)
+        self.backend = self.backends["full"]
+        for layer in self.encoder.layers:
+            layer.self_attn.backend = self.backend
+
+    def fuse(self, pad_mlp: int = 128) -> None:
+        """Inference-only layout changes, all exact, as new modules: the blocks' MLP width zero-padded
+        to a multiple of `pad_mlp` (SigLIP's 4304 -> 4352), q/k/v in one GEMM. Idempotent."""
+        for layer in self.encoder.layers:
+            layer.mlp = layer.mlp.fused(pad_mlp)
+            layer.self_attn = layer.self_attn.fused()
+
+    # -- forward ----------------------------------------------------------------------------------
+    def check_input(self, pixel_values: torch.Tensor) -> None:
+        cfg = self.cfg
+        assert pixel_values.dim() == 2 and pixel_values.shape[1] == cfg.patch_dim, pixel_values.shape
+        assert pixel_values.shape[0] % cfg.num_patches == 0, (pixel_values.shape, cfg.num_patches)
+
+    def stream_start(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def features(self, pixel_values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """[n * L, C*P*P] patches -> [n * T, D] float32 encoder output (before `post_layernorm`)."""
+        self.check_input(pixel_values)
+        x = self.stream_start(self.embeddings(pixel_values))
+        delta = None
+        for layer in self.encoder.layers:
+            x, delta = layer(x, delta, cu_seqlens, self.seq_len)
+        return x + delta
+
+    def forward(self, pixel_values: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class ClipVisionTower(VitTower):
+    """`CLIPVisionModelWithProjection`: tokens are `last_hidden_state[:, 1:]`, pooled is `image_embeds`."""
+
+    checkpoint_top_level = ("visual_projection.weight",)
+
+    def __init__(self, cfg: ClipVisionConfig, backend: AttentionBackend):
+        super().__init__(cfg, backend)
+        self.pre_layrnorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)  # sic: HF's name
+        self.visual_projection = nn.Linear(cfg.width, cfg.projection_dim, bias=False)
+        self.set_backend(backend)
+
+    def stream_start(self, x):
+        ln = self.pre_layrnorm  # float32, so the stream does not start rounded to the model dtype
+        return F.layer_norm(x, (x.shape[-1],), ln.weight.float(), ln.bias.float(), ln.eps)
+
+    def forward(self, pixel_values, cu_seqlens):
+        cfg = self.cfg
+        x = self.features(pixel_values, cu_seqlens).view(-1, cfg.seq_len, cfg.width)
+        tokens = x[:, 1:].reshape(-1, cfg.width)
+        ln = self.post_layernorm
+        cls = F.layer_norm(x[:, 0], (cfg.width,), ln.weight.float(), ln.bias.float(), ln.eps)
+        return tokens, F.linear(cls, self.visual_projection.weight.float())
+
+
+class SiglipVisionTower(VitTower):
+    """`SiglipVisionModel`: tokens are `last_hidden_state` (post-LayerNorm), pooled is `pooler_output`."""
+
+    def __init__(self, cfg: SiglipVisionConfig, backend: AttentionBackend):
+        super().__init__(cfg, backend)
+        self.head = AttentionPoolingHead(cfg)
+        self.set_backend(backend)
+
+    def forward(self, pixel_values, cu_seqlens):
+        cfg = self.cfg
+        _, tokens = add_norm(self.features(pixel_values, cu_seqlens), None, *norm_args(self.post_layernorm))
+        return tokens, self.head(tokens.view(-1, cfg.seq_len, cfg.width))
+
+
+def build_vit_tower(cfg: VitVisionConfig, backend: AttentionBackend) -> VitTower:
+    if isinstance(cfg, ClipVisionConfig):
+        return ClipVisionTower(cfg, backend)
+    if isinstance(cfg, SiglipVisionConfig):
+        return SiglipVisionTower(cfg, backend)
+    raise TypeError(f"not a CLIP / SigLIP config: {type(cfg).__name__}")

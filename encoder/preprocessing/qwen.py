@@ -1,0 +1,217 @@
+"""Image preprocessing for Qwen2-VL / Qwen2.5-VL vision towers, equal to transformers' PIL processor.
+
+The pipeline is split so the service can ship compact data between processes:
+
+    load_image (bytes / PIL / array -> RGB PIL)  ->  resize_image (-> uint8 HWC at the smart_resize size)
+    ->  patchify (uint8 torch tensor on any device -> float32 patches in the Hugging Face order)
+
+This module holds the first two (Pillow and numpy: no torch, so the ingress never imports it); `patchify`
+and `preprocess` are `encoder.patchify`'s. `preprocess` runs all three and returns
+a `PatchBatch` whose `pixel_values` / `grid_thw` match `Qwen2VLImageProcessorPil` output. Details that matter
+for exactness (all mirrored from transformers 5.x):
+  * RGB conversion: images with an alpha band or a `transparency` entry are alpha-composited onto white;
+    everything else goes through PIL's `convert("RGB")` (so I;16 / I / F values saturate at 255, CMYK
+    uses PIL's naive formula). uint8 arrays become L/RGB/RGBA images and follow the same rule.
+  * Resize: PIL bicubic on the uint8 RGB image, `reducing_gap=None`.
+  * Rescale in float64 then cast to float32; normalise in float32. `patchify` uses a 256-entry lookup
+    table per channel built that way, so results are bit-identical on CPU and need no float64 on device.
+Untrusted bytes are checked before full decode: structure (`encoder.preprocessing.image_guard`: JPEG scan counts, chunk
+and frame counts, CPU bombs), format allowlist, header size (decompression bombs).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
+from encoder.preprocessing.config import (
+    DEFAULT_FORMATS,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    PreprocessConfig,
+    known_formats,
+    std_positive,
+)
+from encoder.preprocessing.image_guard import check_structure
+
+# the settings are `encoder.preprocessing.config`'s; importable from here with the pipeline that reads them
+__all__ = [
+    "DEFAULT_CONFIG", "DEFAULT_FORMATS", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "PreprocessConfig", "canonical_format",
+    "check_image_size", "known_formats", "load_image", "num_patches", "resize_image", "smart_resize", "std_positive",
+]  # fmt: skip
+
+# Pillow reports multi-picture JPEGs (most phone cameras) as "MPO"; they are JPEG files to users.
+_FORMAT_ALIASES = {"MPO": "JPEG"}
+_ORIENTATION = 0x0112  # the EXIF tag
+DEFAULT_CONFIG = PreprocessConfig()
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def load_image(x: Any, cfg: PreprocessConfig = DEFAULT_CONFIG) -> Image.Image:
+    """Decode/convert one input to an RGB PIL image (EXIF orientation applied for PIL/bytes inputs)."""
+    if isinstance(x, bytes | bytearray | memoryview):
+        img = _decode(bytes(x), cfg)
+    elif isinstance(x, Image.Image):
+        check_image_size(x.width, x.height, cfg)
+        img = _load(x)  # a lazily opened image may still hold undecoded (possibly truncated) data
+    elif isinstance(x, np.ndarray):
+        return _from_array(x, cfg)
+    elif isinstance(x, str):
+        raise InvalidImageError("got a str; paths and URLs are not accepted, pass the encoded image bytes")
+    else:
+        raise InvalidImageError(
+            f"unsupported image type {type(x).__name__}; expected bytes, PIL.Image.Image or uint8 numpy array"
+        )
+    return _to_rgb(_exif_transpose(img))
+
+
+def check_image_size(width: int, height: int, cfg: PreprocessConfig) -> None:
+    """InvalidImageError for a zero side, ImageTooLargeError above `cfg.max_image_pixels` (header facts only)."""
+    if width <= 0 or height <= 0:
+        raise InvalidImageError(f"image has zero size ({width}x{height})")
+    if width * height > cfg.max_image_pixels:
+        raise ImageTooLargeError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {cfg.max_image_pixels}"
+        )
+
+
+def canonical_format(pillow_format: str | None) -> str | None:
+    """The format name users know for a Pillow format (an MPO file is a JPEG)."""
+    return _FORMAT_ALIASES.get(pillow_format or "", pillow_format)
+
+
+def _decode(data: bytes, cfg: PreprocessConfig) -> Image.Image:
+    if not data:
+        raise ImageDecodeError("image bytes are empty")
+    # Before Image.open: Pillow parses JPEG segments up to the first scan in Python (100,000 empty
+    # comment segments, 400 KB, take its Image.open 0.3 s), so the guard must come first.
+    check_structure(data, cfg.image_limits)
+    try:
+        img = Image.open(io.BytesIO(data))  # parses the header only
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        # The warning only arrives as an exception if the caller's warning filters say so; we never
+        # touch the (process-global, thread-unsafe) filters ourselves.
+        raise ImageTooLargeError(f"image refused as a decompression bomb: {reason(e)}") from e
+    except UnidentifiedImageError as e:  # no plugin recognised the header
+        raise ImageDecodeError(
+            f"cannot identify image data ({len(data)} bytes): not an image in a known format "
+            f"(accepted: {', '.join(sorted(cfg.allowed_formats))})"
+        ) from e
+    except Exception as e:  # Pillow plugins raise many types on garbage input
+        raise ImageDecodeError(f"cannot identify image data ({len(data)} bytes): {reason(e)}") from e
+    if canonical_format(img.format) not in cfg.allowed_formats:
+        raise ImageDecodeError(
+            f"image format {img.format} is not allowed (allowed: {', '.join(sorted(cfg.allowed_formats))})"
+        )
+    check_image_size(img.width, img.height, cfg)  # before .load(): nothing big allocated yet
+    return _load(img)
+
+
+def _load(img: Image.Image) -> Image.Image:
+    try:
+        img.load()  # Image.open is lazy; force the full decode so truncation is caught here
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageTooLargeError(f"image refused as a decompression bomb: {reason(e)}") from e
+    except Exception as e:
+        raise ImageDecodeError(f"{img.format or img.mode} image is truncated or corrupt: {reason(e)}") from e
+    return img
+
+
+def _exif_transpose(img: Image.Image) -> Image.Image:
+    try:
+        if img.getexif().get(_ORIENTATION, 1) == 1:
+            return img  # upright: exif_transpose would only copy it
+        return ImageOps.exif_transpose(img)
+    except Exception:
+        # Broken EXIF metadata should not make an otherwise good image unusable (viewers ignore it too).
+        return img
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """RGB conversion with the same rule as transformers' convert_to_rgb for PIL images."""
+    try:
+        if "A" in img.getbands() or img.info.get("transparency") is not None:
+            rgba = img.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return img if img.mode == "RGB" else img.convert("RGB")  # converting RGB would only copy it
+    except (ValueError, OSError) as e:
+        raise InvalidImageError(f"cannot convert image of mode {img.mode} to RGB: {reason(e)}") from e
+
+
+def _from_array(arr: np.ndarray, cfg: PreprocessConfig) -> Image.Image:
+    if arr.dtype != np.uint8:
+        raise InvalidImageError(f"image arrays must have dtype uint8, got {arr.dtype}")
+    if arr.ndim == 2:
+        arr = arr[:, :, None]
+    if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
+        raise InvalidImageError(f"image arrays must be HxW or HxWxC with C in 1/3/4, got shape {arr.shape}")
+    check_image_size(arr.shape[1], arr.shape[0], cfg)
+    # As an L / RGB / RGBA image, the PIL path gives the same bytes as transformers' array path (channel
+    # repeat; float64 blend onto white, rounded), checked for every (value, alpha) pair in the tests.
+    return _to_rgb(Image.fromarray(np.ascontiguousarray(arr[:, :, 0] if arr.shape[2] == 1 else arr)))
+
+
+# ----------------------------------------------------------------------------------------- resizing
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 1280,
+    max_aspect_ratio: float = 200.0,
+) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, area within [min_pixels, max_pixels], aspect kept.
+
+    Same arithmetic as transformers' smart_resize (Python's banker's `round`, same operation order), so
+    the sizes agree exactly; raises InvalidImageError for empty sizes or extreme aspect ratios.
+    """
+    if height <= 0 or width <= 0:
+        raise InvalidImageError(f"image has zero size ({width}x{height})")
+    ratio = max(height, width) / min(height, width)
+    if ratio > max_aspect_ratio:
+        raise InvalidImageError(
+            f"aspect ratio {ratio:.1f}:1 of a {width}x{height} image exceeds the limit {max_aspect_ratio:g}:1"
+        )
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def _target_size(height: int, width: int, cfg: PreprocessConfig) -> tuple[int, int]:
+    return smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels, cfg.max_aspect_ratio)
+
+
+def resize_image(img: Image.Image, cfg: PreprocessConfig = DEFAULT_CONFIG) -> np.ndarray:
+    """Resize an RGB PIL image (from `load_image`) to its smart_resize size: uint8 array [H, W, 3]."""
+    if not isinstance(img, Image.Image) or img.mode != "RGB":
+        raise InvalidImageError("resize_image expects an RGB PIL image; call load_image first")
+    h, w = _target_size(img.height, img.width, cfg)
+    if (h, w) == (img.height, img.width):
+        return np.array(img, dtype=np.uint8)  # PIL's resize to the same size is a copy
+    # transformers resizes the uint8 RGB image with PIL bicubic and no reducing_gap.
+    resized = img.resize((w, h), resample=Image.Resampling.BICUBIC, reducing_gap=None)
+    return np.array(resized, dtype=np.uint8)
+
+
+def num_patches(height: int, width: int, cfg: PreprocessConfig = DEFAULT_CONFIG) -> int:
+    """Patches (grid t*h*w) an image of this original size yields; no decoding needed."""
+    h, w = _target_size(height, width, cfg)
+    return (h // cfg.patch_size) * (w // cfg.patch_size)
