@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cuda_timing import graph_of, per_call_us, trace_kernels  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("encoder_kernels", ROOT / "encoder" / "kernels.py")
+spec = importlib.util.spec_from_file_location("encoder_kernels", ROOT / "encoder" / "kernels" / "elementwise.py")
 K = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(K)
 
