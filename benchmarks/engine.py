@@ -3,7 +3,7 @@ attention backend, on a Qwen vision config in bf16 with random weights (default 
 `--model qwen3-vl-8b` for Qwen3-VL, whose HF tower gets the same weights).
 
 Prints a markdown table with latency, images/s, patches/s and MFU against a bf16 matmul peak
-measured in the same process. Run: `python benchmarks/engine.py [--backends triton,torch_varlen]`.
+measured in the same process. Run: `python -m benchmarks.engine [--backends triton,torch_varlen]`.
 """
 
 from __future__ import annotations
@@ -16,51 +16,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cuda_timing import timed  # noqa: E402 - the other benchmarks import it from here too
-
-import encoder  # noqa: E402
-import workspace  # noqa: E402
-from encoder.attention import available_backends, resolve_attention  # noqa: E402
-
-WORKLOADS = {  # name -> (images, side in pixels)
-    "1x224": (1, 224),
-    "1x448": (1, 448),
-    "32x224": (32, 224),
-    "8x896": (8, 896),
-}
-
-
-def linear_flops_per_patch(cfg) -> float:
-    """GEMM FLOPs per input patch: qkv, proj and the MLP in every block, the merger(s), the patch embedding."""
-    d, f, mu = cfg.width, cfg.mlp_dim, cfg.merge_unit
-    mlp_mats = 3 if cfg.family == "qwen2_5_vl" else 2  # SwiGLU: gate, up, down
-    blocks = cfg.depth * 2 * (d * 3 * d + d * d + mlp_mats * d * f)
-    mergers = 1 + len(getattr(cfg, "deepstack_visual_indexes", ()))  # Qwen3-VL: one per DeepStack layer too
-    merger = mergers * 2 * (d * mu * d * mu + d * mu * cfg.out_dim) / mu
-    return blocks + merger + 2 * cfg.patch_dim * d
-
-
-def use_backend(enc, name: str) -> None:
-    """Every layer of `enc` on backend `name`, or `auto` (per layer kind and graph shape)."""
-    tower = enc.model
-    tower.set_backend(resolve_attention(name, tower.attention_kinds, enc.device, enc.dtype, enc.config.head_dim))
-
-
-def matmul_peak() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = timed(lambda: a @ b, 10)
-    return 2 * 8192**3 / ms / 1e9  # TFLOP/s
-
-
-def make_batch(enc, images: int, side: int) -> encoder.PatchBatch:
-    g = side // enc.config.patch_size
-    grid = torch.tensor([[1, g, g]] * images, device="cuda")  # HF builds positions on grid_thw's device
-    pv = torch.randn(images * g * g, enc.config.patch_dim, device="cuda")
-    return encoder.PatchBatch(pv, grid)
+import encoder
+import workspace
+from benchmarks.common import WORKLOADS, make_batch, matmul_peak, timed, use_backend
+from benchmarks.flops import linear_flops
+from encoder.attention import available_backends
 
 
 def hf_tower(enc, device: str = "cuda"):
@@ -117,12 +77,12 @@ def main() -> int:
     )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/engine.py needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_peak()
     base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
-    per_patch = linear_flops_per_patch(base.config)
+    per_patch = linear_flops(base.config, base.config.merge_unit) / base.config.merge_unit
     usable = [n for n, why in available_backends().items() if why is None]
     names = args.backends.split(",") if args.backends else [*usable, "auto"]
     workloads = args.workloads.split(",")
