@@ -1,5 +1,5 @@
-"""What the benchmarks share: CUDA-event timers, the matmul peak, the engine benchmarks' batches and backend switch,
-and result writing.
+"""What the benchmarks share: CUDA-event timers, the matmul peaks (burst and sustained, with the GPU's clocks and
+power sampled), the engine benchmarks' batches and backend switch, and result writing.
 
 Importing this module imports torch only (the project's packages load inside the functions that need them), so a
 GPU machine without the project's dependencies (pydantic among them) can run the kernel-only experiments.
@@ -8,8 +8,11 @@ GPU machine without the project's dependencies (pydantic among them) can run the
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -89,11 +92,113 @@ def trace_kernels(fn, path: str) -> list[dict]:
 
 
 def matmul_peak() -> float:
-    """TFLOP/s of a bf16 8192³ matmul, median of 10 calls."""
+    """The burst peak: TFLOP/s of a bf16 8192³ matmul, median of 10 calls (well under a second: the GPU's clock
+    is still at its maximum, before the power cap pulls it down)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = timed(lambda: a @ b, 10)
     return 2 * 8192**3 / ms / 1e9
+
+
+class GpuSampler:
+    """Samples the GPU's SM clock (MHz) and power draw (W) every `interval_s` in a thread while in a `with` block:
+    through `torch.cuda.clock_rate()` / `power_draw()` (nvidia-ml-py) where they answer, else `nvidia-smi`, else
+    nothing (`source` says which). Samples are (clock MHz, power W); either may be None. `read`: a reader of
+    one's own (tests)."""
+
+    def __init__(self, interval_s: float = 0.1, device: int | None = None, read=None):
+        self.interval_s, self.samples, self.source = interval_s, [], "given" if read else None
+        self.device = device if device is not None else torch.cuda.current_device() if torch.cuda.is_available() else 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._read = read or self._pick_reader()
+
+    def _pick_reader(self):
+        try:
+            torch.cuda.clock_rate(self.device), torch.cuda.power_draw(self.device)
+            self.source = "nvml"
+            return lambda: (float(torch.cuda.clock_rate(self.device)), torch.cuda.power_draw(self.device) / 1e3)
+        except Exception:  # noqa: BLE001 - no nvidia-ml-py, no driver, another vendor: try the next source
+            pass
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            return None
+        query = [smi, "-i", str(self.device), "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+
+        def read():
+            out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout.strip().splitlines()
+            fields = [f.strip() for f in out[0].split(",")] if out else []
+            return tuple(_number(f) for f in fields[:2]) if len(fields) >= 2 else (None, None)
+
+        try:
+            read()
+        except Exception:  # noqa: BLE001
+            return None
+        self.source = "nvidia-smi"
+        return read
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self._read())
+            except Exception:  # noqa: BLE001 - one failed sample ends the sampling, never the benchmark
+                return
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> GpuSampler:
+        if self._read is not None:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def summary(self) -> dict:
+        """Median, min and max of the clock and the power over the samples (None where none were read)."""
+        out: dict = {"gpu_samples": len(self.samples), "gpu_sampler": self.source}
+        for i, key in ((0, "sm_mhz"), (1, "power_w")):
+            values = [s[i] for s in self.samples if s[i] is not None]
+            out[key] = statistics.median(values) if values else None
+            out[f"{key}_min"] = min(values) if values else None
+            out[f"{key}_max"] = max(values) if values else None
+        return out
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def sustained_peak(rows: int, k: int, n: int, seconds: float = 2.0, dtype=torch.bfloat16) -> dict:
+    """The sustained peak: TFLOP/s of one [rows, k] x [k, n] matmul (a tower's largest GEMM) looped for at least
+    `seconds` back to back (`per_graph` calls per CUDA graph, so small GEMMs are not held back by launches), after a
+    warm-up, with the GPU's clocks and power sampled while it runs. The GPU reaches its power cap and the clock it
+    holds there, as a long forward does."""
+    a = torch.randn(rows, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    out = torch.empty(rows, n, device="cuda", dtype=dtype)
+    per_graph = 20
+    graph = graph_of(lambda: torch.mm(a, w.t(), out=out), per_graph)  # x @ W^T, as nn.Linear stores W
+    per_replay_ms = timed(graph.replay, 5)
+    replays = max(1, -int(-seconds * 1e3 // max(per_replay_ms, 1e-3)))
+    calls = replays * per_graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with GpuSampler() as sampler:
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        wall = time.perf_counter() - t0
+    ms = start.elapsed_time(end)
+    return {"tflops": 2 * rows * k * n * calls / ms / 1e9, "shape": [rows, k, n], "calls": calls,
+            "seconds": ms / 1e3, "wall_s": wall, **sampler.summary()}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ engine helpers

@@ -4,7 +4,9 @@
 # Each step's time limit is cut to what is left of BUDGET_S (default 560 s: one 10-minute device call) and a step
 # that cannot get MIN_STEP_S (default 45 s) is skipped; $OUT/gpu.txt lists every step with its exit code, seconds
 # or "skipped". Steps:
-#   all      tests bench clip startup qwen3 profile attn, in that order (what fits in BUDGET_S runs)
+#   all      util tests bench clip startup qwen3 profile attn, in that order (what fits in BUDGET_S runs)
+#   util     issue 45's utilisation rows, quickly: benchmarks/engine.py, auto backend, no HF, Qwen3-VL-8B and
+#            Qwen2.5-VL-7B at 8x896 and 32x224 (whole-forward FLOP/s against the burst and the sustained peak)
 #   tests    pytest -m gpu (attention, engine, preprocessing, kernels, CLIP/SigLIP)
 #   attn     benchmarks/attention.py --check
 #   bench    benchmarks/engine.py (every backend, HF beside); quick: triton only, no HF
@@ -32,7 +34,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-560}; MIN_STEP_S=${MIN_STEP_S:-45}; T0=$(date +%s)
 steps=${*:-all}
-steps=${steps//all/tests bench clip startup qwen3 profile attn}
+steps=${steps//all/util tests bench clip startup qwen3 profile attn}
 # wheels carried in .device/ (pydantic, orjson, pybase64 where the GPU image lacks them): unpacked once, importable
 if compgen -G ".device/*.whl" > /dev/null; then
   for w in .device/*.whl; do python3 -m zipfile -e "$w" /tmp/site > /dev/null; done
@@ -50,10 +52,15 @@ for s in $steps; do
   start=$(date +%s)
   if (( $(budget "$MIN_STEP_S") < MIN_STEP_S )); then echo "step $s skipped: budget spent" >> "$OUT/gpu.txt"; continue; fi
   case $s in
+    util) for m in qwen3-vl-8b qwen2.5-vl-7b; do
+            timeout $(budget 200) python3 -m benchmarks.engine --model $m --backends auto --workloads 8x896,32x224 --no-hf \
+              --json "$OUT/util_$m.json" --markdown "$OUT/util_$m.md" > "$OUT/util_$m.log" 2>&1
+          done ;;
     startup) timeout $(budget 240) python3 -m benchmarks.startup --model qwen2.5-vl-7b > "$OUT/startup.json" 2> "$OUT/startup.log" ;;
     tests) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/test_preprocess.py tests/unit/encoder/test_kernels.py tests/unit/encoder/test_clip_siglip_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
     attn) timeout $(budget 120) python3 -m benchmarks.attention --check > "$OUT/attention.md" 2>&1 ;;
-    bench) timeout $(budget 400) python3 -m benchmarks.engine --json "$OUT/engine.json" > "$OUT/engine.md" 2>&1 ;;
+    bench) timeout $(budget 400) python3 -m benchmarks.engine --json "$OUT/engine.json" --markdown "$OUT/engine_table.md" \
+             > "$OUT/engine.md" 2>&1 ;;
     qwen3) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/test_qwen3_gpu.py -p no:cacheprovider 2>&1 | tail -30 > "$OUT/qwen3_tests.txt"
            timeout $(budget 300) python3 -m benchmarks.engine --model qwen3-vl-8b --pad-compare --json "$OUT/engine_qwen3.json" \
              > "$OUT/engine_qwen3.md" 2>&1
@@ -89,4 +96,5 @@ for s in $steps; do
   esac
   echo "step $s rc=$? $(( $(date +%s) - start ))s" >> "$OUT/gpu.txt"
 done
+for f in "$OUT"/util_*.md "$OUT"/engine_table.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; } >> "$OUT/summary.md"; done
 cat "$OUT/gpu.txt"
