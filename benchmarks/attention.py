@@ -7,9 +7,9 @@ excluded just as in production.
 FLOPs counted per call: sum over segments of 4 * L^2 * D * H (QK^T and PV, 2 * L^2 * D each, per
 head), i.e. only the useful work; kernels that pad D=80 to 128 are not credited for the padding.
 
-    python benchmarks/attention.py                  # all available backends, all cases
-    python benchmarks/attention.py --check          # also relative error vs sdpa in fp32
-    python benchmarks/attention.py --backends triton sdpa --replays 50
+    python -m benchmarks.attention                  # all available backends, all cases
+    python -m benchmarks.attention --check          # also relative error vs sdpa in fp32
+    python -m benchmarks.attention --backends triton sdpa --replays 50
 
 Prints a markdown table. Needs a CUDA GPU; exits with a message otherwise.
 """
@@ -18,19 +18,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-try:
-    import encoder  # noqa: F401
-except ImportError:  # run as a script from a checkout: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from encoder.attention import available_backends, get_backend, resolve_attention  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import timed  # noqa: E402 - median of CUDA-event timings, as every benchmark here
+from benchmarks.common import timed
+from encoder.attention import available_backends, get_backend, resolve_attention
 
 # name -> (segment length, number of segments)
 CASES = {

@@ -11,9 +11,9 @@
    and graph capture included) and after the first 10% of the rows are back (the steady rate, which more
    images converge to).
 
-    python benchmarks/batch.py                                   # qwen2.5-vl-7b on the GPU, 20000 images
-    python benchmarks/batch.py --batch-sizes auto,128 --decode-concurrency 8,14
-    python benchmarks/batch.py --model tiny --num-images 200     # CPU smoke run
+    python -m benchmarks.batch                                   # qwen2.5-vl-7b on the GPU, 20000 images
+    python -m benchmarks.batch --batch-sizes auto,128 --decode-concurrency 8,14
+    python -m benchmarks.batch --model tiny --num-images 200     # CPU smoke run
 
 Prints a markdown table (and writes it to --markdown when given).
 """
@@ -36,17 +36,12 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-try:
-    import deployments  # noqa: F401
-except ImportError:  # run as a script from a checkout: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import encoder  # noqa: E402
-from deployments.batch import JobConfig, run_job  # noqa: E402
-from deployments.batch.model_facts import plan_for_actors, preprocess_config_for, rows_per_batch  # noqa: E402
+import encoder
+from deployments.batch import JobConfig, run_job
+from deployments.batch.model_facts import plan_for_actors, preprocess_config_for, rows_per_batch
 from encoder.patchify import patchify_many
-from encoder.preprocessing.qwen import load_image, num_patches, resize_image  # noqa: E402
-from workspace import GraphEncoder  # noqa: E402
+from encoder.preprocessing.qwen import load_image, num_patches, resize_image
+from workspace import GraphEncoder
 
 # ------------------------------------------------------------------------------------- data
 

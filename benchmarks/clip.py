@@ -7,7 +7,7 @@ either); float32 matmuls stay full precision (TF32 off), as in the service. HF's
 attention and holds the same weights, so the run also reports how far its image embeddings are from
 ours (both bf16). Prints a markdown table; `--json` writes the rows.
 
-    python benchmarks/clip.py [--model clip-vit-l-14] [--images 1,256] [--backends triton,torch_varlen]
+    python -m benchmarks.clip [--model clip-vit-l-14] [--images 1,256] [--backends triton,torch_varlen]
 """
 
 from __future__ import annotations
@@ -17,27 +17,15 @@ import copy
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import matmul_peak, timed, use_backend  # noqa: E402  (benchmarks/engine.py: one timer, one peak)
-
-import encoder  # noqa: E402
-import workspace  # noqa: E402
-from encoder.attention import available_backends  # noqa: E402
-from encoder.config import ClipVisionConfig  # noqa: E402
-
-
-def flops_per_image(cfg) -> float:
-    """Matmul work of one image: the blocks' GEMMs and attention, the patch embedding, the pooling."""
-    d, f, t = cfg.width, cfg.mlp_dim, cfg.seq_len
-    blocks = cfg.depth * (2 * t * (4 * d * d + 2 * d * f) + 4 * t * t * d)
-    embed = 2 * cfg.num_patches * cfg.patch_dim * d
-    pool = 2 * d * cfg.out_dim if isinstance(cfg, ClipVisionConfig) else 2 * t * 2 * d * d + 2 * (2 * d * d + 2 * d * f)
-    return blocks + embed + pool
+import encoder
+import workspace
+from benchmarks.common import matmul_peak, require_cuda, timed, use_backend, write_results
+from benchmarks.flops import vit_flops_per_image as flops_per_image
+from encoder.attention import available_backends
+from encoder.config import ClipVisionConfig
 
 
 def hf_model(enc, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
@@ -88,8 +76,7 @@ def main() -> int:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/clip.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("benchmarks.clip"):
         return 2
     peak = matmul_peak()
     base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
@@ -160,8 +147,7 @@ def main() -> int:
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['impl']} | {r['images']} | {r['ms']:.2f} | {r['img_s']:.0f} | {r['mfu'] * 100:.1f}% |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "peak_tflops": peak, "rows": rows}, indent=1))
+    write_results(args.json, {"model": args.model, "peak_tflops": peak, "rows": rows})
     return 0
 
 

@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# One device call: GPU tests and benchmarks, results under $OUT. Steps (default: tests bench profile):
+# One device call: GPU tests and benchmarks, results under $OUT, run from the repository root as
+#   bash benchmarks/device_run.sh [step ...]      (no steps: `all`; every script runs as python3 -m benchmarks.<name>)
+# Each step's time limit is cut to what is left of BUDGET_S (default 560 s: one 10-minute device call) and a step
+# that cannot get MIN_STEP_S (default 45 s) is skipped; $OUT/gpu.txt lists every step with its exit code, seconds
+# or "skipped". Steps:
+#   all      util tests bench clip startup qwen3 profile attn, in that order (what fits in BUDGET_S runs)
+#   util     issue 45's utilisation rows, quickly: benchmarks/engine.py, auto backend, no HF, Qwen3-VL-8B and
+#            Qwen2.5-VL-7B at 8x896 and 32x224 (whole-forward FLOP/s against the burst and the sustained peak)
 #   tests    pytest -m gpu (attention, engine, preprocessing, kernels, CLIP/SigLIP)
 #   attn     benchmarks/attention.py --check
 #   bench    benchmarks/engine.py (every backend, HF beside); quick: triton only, no HF
+#   startup  benchmarks/startup.py (model load, then every graph's capture), qwen2.5-vl-7b, auto
 #   qwen3    GPU tests of the Qwen3-VL tower, then benchmarks/engine.py --model qwen3-vl-8b (every backend, HF
 #            beside), then the Qwen2.5-VL-7B triton row with HF beside (the no-regression check)
 #   profile  benchmarks/profile_engine.py
@@ -24,31 +32,52 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-steps=${*:-tests bench profile}
+BUDGET_S=${BUDGET_S:-560}; MIN_STEP_S=${MIN_STEP_S:-45}; T0=$(date +%s)
+steps=${*:-all}
+steps=${steps//all/util tests bench clip startup qwen3 profile attn}
+# wheels carried in .device/ (pydantic, orjson, pybase64 where the GPU image lacks them): unpacked once, importable
+if compgen -G ".device/*.whl" > /dev/null; then
+  for w in .device/*.whl; do python3 -m zipfile -e "$w" /tmp/site > /dev/null; done
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+budget() {  # budget WANT: WANT seconds, or what is left of BUDGET_S if less
+  local left=$(( BUDGET_S - ($(date +%s) - T0) ))
+  (( left < 1 )) && left=1  # never 0: `timeout 0` would mean no limit
+  (( left < $1 )) && echo "$left" || echo "$1"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt" 2>&1
+python3 -c "import pydantic" 2>> "$OUT/gpu.txt" || echo "no pydantic: the encoder steps will fail (carry its wheel in .device/)" >> "$OUT/gpu.txt"
 for s in $steps; do
   start=$(date +%s)
+  if (( $(budget "$MIN_STEP_S") < MIN_STEP_S )); then echo "step $s skipped: budget spent" >> "$OUT/gpu.txt"; continue; fi
   case $s in
-    tests) timeout 300 python3 -m pytest -q -m gpu tests/unit/encoder/attention/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/preprocessing/test_preprocess.py tests/unit/encoder/kernels/test_kernels.py tests/unit/encoder/models/test_clip_siglip_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
-    attn) timeout 120 python3 benchmarks/attention.py --check > "$OUT/attention.md" 2>&1 ;;
-    bench) timeout 400 python3 benchmarks/engine.py --json "$OUT/engine.json" > "$OUT/engine.md" 2>&1 ;;
-    qwen3) timeout 300 python3 -m pytest -q -m gpu tests/unit/encoder/models/test_qwen3_gpu.py -p no:cacheprovider 2>&1 | tail -30 > "$OUT/qwen3_tests.txt"
-           timeout 300 python3 benchmarks/engine.py --model qwen3-vl-8b --pad-compare --json "$OUT/engine_qwen3.json" > "$OUT/engine_qwen3.md" 2>&1
-           timeout 200 python3 benchmarks/engine.py --backends triton --json "$OUT/engine_q25.json" > "$OUT/engine_q25.md" 2>&1 ;;
-    quick) timeout 120 python3 benchmarks/engine.py --backends triton --no-hf > "$OUT/engine_quick.md" 2>&1 ;;
-    profile) timeout 120 python3 benchmarks/profile_engine.py > "$OUT/profile.txt" 2>&1 ;;
-    clip) timeout 150 python3 benchmarks/clip.py > "$OUT/clip.md" 2>&1 ;;
-    batch) timeout 240 python3 benchmarks/batch.py --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \
+    util) for m in qwen3-vl-8b qwen2.5-vl-7b; do
+            timeout $(budget 200) python3 -m benchmarks.engine --model $m --backends auto --workloads 8x896,32x224 --no-hf \
+              --json "$OUT/util_$m.json" --markdown "$OUT/util_$m.md" > "$OUT/util_$m.log" 2>&1
+          done ;;
+    startup) timeout $(budget 240) python3 -m benchmarks.startup --model qwen2.5-vl-7b > "$OUT/startup.json" 2> "$OUT/startup.log" ;;
+    tests) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/attention/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/preprocessing/test_preprocess.py tests/unit/encoder/kernels/test_kernels.py tests/unit/encoder/models/test_clip_siglip_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
+    attn) timeout $(budget 120) python3 -m benchmarks.attention --check > "$OUT/attention.md" 2>&1 ;;
+    bench) timeout $(budget 400) python3 -m benchmarks.engine --json "$OUT/engine.json" --markdown "$OUT/engine_table.md" \
+             > "$OUT/engine.md" 2>&1 ;;
+    qwen3) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/models/test_qwen3_gpu.py -p no:cacheprovider 2>&1 | tail -30 > "$OUT/qwen3_tests.txt"
+           timeout $(budget 300) python3 -m benchmarks.engine --model qwen3-vl-8b --pad-compare --json "$OUT/engine_qwen3.json" \
+             > "$OUT/engine_qwen3.md" 2>&1
+           timeout $(budget 200) python3 -m benchmarks.engine --backends triton --json "$OUT/engine_q25.json" > "$OUT/engine_q25.md" 2>&1 ;;
+    quick) timeout $(budget 120) python3 -m benchmarks.engine --backends triton --no-hf > "$OUT/engine_quick.md" 2>&1 ;;
+    profile) timeout $(budget 120) python3 -m benchmarks.profile_engine > "$OUT/profile.txt" 2>&1 ;;
+    clip) timeout $(budget 150) python3 -m benchmarks.clip > "$OUT/clip.md" 2>&1 ;;
+    batch) timeout $(budget 240) python3 -m benchmarks.batch --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \
              > "$OUT/batch.log" 2>&1 ;;
-    batch100k) timeout 400 python3 benchmarks/batch.py --as-checkpoint --num-images 100000 \
+    batch100k) timeout $(budget 400) python3 -m benchmarks.batch --as-checkpoint --num-images 100000 \
                  --markdown "$OUT/batch100k.md" > "$OUT/batch100k.log" 2>&1 ;;
-    ckpt) timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
-            from batch import export_preset; export_preset('qwen2.5-vl-7b', Path('/tmp/ckpt-7b'))" > "$OUT/ckpt.log" 2>&1 ;;
+    ckpt) timeout $(budget 120) python3 -c "from pathlib import Path; from benchmarks.batch import export_preset; \
+            export_preset('qwen2.5-vl-7b', Path('/tmp/ckpt-7b'))" > "$OUT/ckpt.log" 2>&1 ;;
     svc-*-*)  # svc-R-S[-D]: R replicas per GPU, S merged requests in flight per ingress, D batches per replica
       IFS=- read -r _ r slots depth <<< "$s"
       model=qwen2.5-vl-7b; [ -d /tmp/ckpt-7b ] && model=/tmp/ckpt-7b
-      timeout 200 python3 benchmarks/service.py --model "$model" --replicas-per-gpu "$r" --ingress-slots "$slots" \
+      timeout $(budget 200) python3 -m benchmarks.service --model "$model" --replicas-per-gpu "$r" --ingress-slots "$slots" \
         ${depth:+--pipeline-depth "$depth"} ${SVC_EXTRA:-} \
         --ingress-replicas 6 --client-procs 4 --duration 6 --json "$OUT/$s.json" > "$OUT/$s.log" 2>&1
       grep -v "pid=" "$OUT/$s.log" | grep -E "^\||^  \[|^  idle|^model|deployed in" > "$OUT/$s.md" ;;
@@ -61,10 +90,11 @@ for s in $steps; do
         servicedefault) extra="--replicas-per-gpu 2 --serve-mode default" ;;
         service1slot) extra="--replicas-per-gpu 2 --ingress-slots 1" ;;
       esac
-      timeout 400 python3 benchmarks/service.py --model "$model" $extra --ingress-replicas 6 --client-procs 4 \
+      timeout $(budget 400) python3 -m benchmarks.service --model "$model" $extra --ingress-replicas 6 --client-procs 4 \
         --duration 6 --json "$OUT/$s.json" > "$OUT/$s.log" 2>&1
       grep -v "pid=" "$OUT/$s.log" | grep -E "^\||^  \[|^  ingress|^  idle|^model|deployed in" > "$OUT/$s.md" ;;
   esac
   echo "step $s rc=$? $(( $(date +%s) - start ))s" >> "$OUT/gpu.txt"
 done
+for f in "$OUT"/util_*.md "$OUT"/engine_table.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; } >> "$OUT/summary.md"; done
 cat "$OUT/gpu.txt"

@@ -1,9 +1,17 @@
-"""Engine benchmark (one GPU run): HF transformers eager vs our eager vs our graph replay, per
-attention backend, on a Qwen vision config in bf16 with random weights (default Qwen2.5-VL-7B;
-`--model qwen3-vl-8b` for Qwen3-VL, whose HF tower gets the same weights).
+"""Engine benchmark (one GPU run): HF transformers eager vs our eager vs our graph replay, per attention backend,
+on a Qwen vision config in bf16 with random weights (default Qwen2.5-VL-7B; `--model qwen3-vl-8b` for Qwen3-VL,
+whose HF tower gets the same weights).
 
-Prints a markdown table with latency, images/s, patches/s and MFU against a bf16 matmul peak
-measured in the same process. Run: `python benchmarks/engine.py [--backends triton,torch_varlen]`.
+Prints a markdown table with latency, images/s, patches/s and utilisation, and writes the rows with `--json` /
+`--markdown`. Utilisation, per workload:
+  MFU (linear, burst)  the linear layers' FLOPs per second against the burst peak (the earlier column, kept).
+  whole / burst        the whole forward's FLOPs (linear and attention: `benchmarks/flops.py`) per second against
+                       the burst peak, a short bf16 8192³ matmul, measured at the start.
+  whole / sustained    the same against the sustained peak: the tower's own largest GEMM at the workload's row
+                       count looped for --sustain-s seconds (≥ 2), the GPU's SM clock and power sampled meanwhile.
+Both peaks are measured in this process, before the rows; the burst peak again at the end.
+
+    python -m benchmarks.engine [--model qwen3-vl-8b] [--backends triton,torch_varlen] [--json out.json]
 """
 
 from __future__ import annotations
@@ -12,55 +20,55 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cuda_timing import timed  # noqa: E402 - the other benchmarks import it from here too
-
-import encoder  # noqa: E402
-import workspace  # noqa: E402
-from encoder.attention import available_backends, resolve_attention  # noqa: E402
-
-WORKLOADS = {  # name -> (images, side in pixels)
-    "1x224": (1, 224),
-    "1x448": (1, 448),
-    "32x224": (32, 224),
-    "8x896": (8, 896),
-}
+from benchmarks.common import (
+    WORKLOADS,
+    make_batch,
+    markdown_table,
+    matmul_peak,
+    require_cuda,
+    sustained_peak,
+    timed,
+    use_backend,
+    write_results,
+)
+from benchmarks.flops import forward_flops, largest_gemm, linear_flops
 
 
-def linear_flops_per_patch(cfg) -> float:
-    """GEMM FLOPs per input patch: qkv, proj and the MLP in every block, the merger(s), the patch embedding."""
-    d, f, mu = cfg.width, cfg.mlp_dim, cfg.merge_unit
-    mlp_mats = 3 if cfg.family == "qwen2_5_vl" else 2  # SwiGLU: gate, up, down
-    blocks = cfg.depth * 2 * (d * 3 * d + d * d + mlp_mats * d * f)
-    mergers = 1 + len(getattr(cfg, "deepstack_visual_indexes", ()))  # Qwen3-VL: one per DeepStack layer too
-    merger = mergers * 2 * (d * mu * d * mu + d * mu * cfg.out_dim) / mu
-    return blocks + merger + 2 * cfg.patch_dim * d
+def workload_grid(cfg, workload: str) -> list[list[int]]:
+    """[[t, h, w], ...] in patches: the workload's images, square, one frame each."""
+    images, side = WORKLOADS[workload]
+    g = side // cfg.patch_size
+    return [[1, g, g]] * images
 
 
-def use_backend(enc, name: str) -> None:
-    """Every layer of `enc` on backend `name`, or `auto` (per layer kind and graph shape)."""
-    tower = enc.model
-    tower.set_backend(resolve_attention(name, tower.attention_kinds, enc.device, enc.dtype, enc.config.head_dim))
+def workload_flops(cfg, workload: str) -> dict:
+    """The whole forward's matmul FLOPs of one workload (linear, attention, total, patches)."""
+    return forward_flops(cfg, workload_grid(cfg, workload))
 
 
-def matmul_peak() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = timed(lambda: a @ b, 10)
-    return 2 * 8192**3 / ms / 1e9  # TFLOP/s
+def measure_peaks(cfg, workloads: list[str], seconds: float) -> tuple[float, dict]:
+    """The burst peak (TFLOP/s), then the sustained peak of each workload's largest GEMM (one run per distinct
+    shape), each with its clocks and power."""
+    burst = matmul_peak()
+    sustained, by_shape = {}, {}
+    for wl in workloads:
+        shape = largest_gemm(cfg, workload_flops(cfg, wl)["patches"])
+        if shape not in by_shape:
+            by_shape[shape] = sustained_peak(*shape, seconds=seconds)
+            s = by_shape[shape]
+            clocks = f"{_fmt(s['sm_mhz'])} MHz ({_fmt(s['sm_mhz_min'])}-{_fmt(s['sm_mhz_max'])})"
+            print(f"sustained peak, {wl}: {s['tflops']:.0f} TFLOP/s on {'x'.join(map(str, shape))} over "
+                  f"{s['seconds']:.1f} s; SM {clocks}, {_fmt(s['power_w'])} W "
+                  f"({s['gpu_sampler'] or 'no sampler'}, {s['gpu_samples']} samples)", flush=True)  # fmt: skip
+        sustained[wl] = by_shape[shape]
+    return burst, sustained
 
 
-def make_batch(enc, images: int, side: int) -> encoder.PatchBatch:
-    g = side // enc.config.patch_size
-    grid = torch.tensor([[1, g, g]] * images, device="cuda")  # HF builds positions on grid_thw's device
-    pv = torch.randn(images * g * g, enc.config.patch_dim, device="cuda")
-    return encoder.PatchBatch(pv, grid)
+def _fmt(value) -> str:
+    return "?" if value is None else f"{value:.0f}"
 
 
 def hf_tower(enc, device: str = "cuda"):
@@ -104,36 +112,43 @@ def hf_tower(enc, device: str = "cuda"):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-vl-7b")
     parser.add_argument("--backends", default=None, help="comma list (default: every available one)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", default=None, help="also write results here")
+    parser.add_argument("--markdown", default=None, help="also write the table here")
+    parser.add_argument("--sustain-s", type=float, default=2.0, help="seconds each sustained-peak GEMM loops (>= 2)")
     parser.add_argument(
         "--pad-compare", action="store_true",
         help="first time graph replay with the MLP width unpadded (pad_mlp=0), with the first backend",
     )  # fmt: skip
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/engine.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("benchmarks.engine"):
         return 2
+    import encoder
+    import workspace
+    from encoder.attention import available_backends
+
     torch.backends.cuda.matmul.allow_tf32 = True
-    peak = matmul_peak()
     base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
-    per_patch = linear_flops_per_patch(base.config)
+    cfg = base.config
     usable = [n for n, why in available_backends().items() if why is None]
     names = args.backends.split(",") if args.backends else [*usable, "auto"]
     workloads = args.workloads.split(",")
+    work = {wl: workload_flops(cfg, wl) for wl in workloads}
+    peak, sustained = measure_peaks(cfg, workloads, max(args.sustain_s, 2.0))
     rows = []
 
     def record(impl, wl, ms, extra=None):
-        images, side = WORKLOADS[wl]
-        patches = images * (side // base.config.patch_size) ** 2
-        tflops = per_patch * patches / ms / 1e9
-        rows.append(dict(impl=impl, workload=wl, ms=ms, img_s=images / ms * 1e3, patch_s=patches / ms * 1e3,
-                         mfu=tflops / peak, **(extra or {})))  # fmt: skip
+        images, _ = WORKLOADS[wl]
+        w = work[wl]
+        tflops = w["total"] / ms / 1e9
+        rows.append(dict(impl=impl, workload=wl, ms=ms, img_s=images / ms * 1e3, patch_s=w["patches"] / ms * 1e3,
+                         mfu=w["linear"] / ms / 1e9 / peak, tflops=tflops, util_burst=tflops / peak,
+                         util_sustained=tflops / sustained[wl]["tflops"], **(extra or {})))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
 
     if not args.no_hf:
@@ -151,7 +166,7 @@ def main() -> int:
         for wl in workloads:
             batch = make_batch(base, *WORKLOADS[wl])
             run = lambda b=batch, g=graph: g.runner.run(b.pixel_values, b.grid_thw)  # noqa: E731
-            record(f"ours graph ({names[0]}), MLP width {base.config.mlp_dim} unpadded", wl, timed(run, args.iters))
+            record(f"ours graph ({names[0]}), MLP width {cfg.mlp_dim} unpadded", wl, timed(run, args.iters))
         del graph
         torch.cuda.empty_cache()
 
@@ -178,15 +193,36 @@ def main() -> int:
         del graph
         torch.cuda.empty_cache()
 
-    print(f"\nbf16 matmul peak measured: {peak:.0f} TFLOP/s; linear work {per_patch / 1e9:.3f} GFLOP/patch\n")
-    print("| implementation | workload | ms | img/s | patches/s | MFU |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['impl']} | {r['workload']} | {r['ms']:.2f} | {r['img_s']:.0f} | {r['patch_s']:.0f} | "
-              f"{r['mfu'] * 100:.1f}% |")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
+    peak_end = matmul_peak()
+    text = report(args.model, cfg, peak, peak_end, sustained, work, rows)
+    print("\n" + text)
+    write_results(args.json, {"model": args.model, "peak_tflops": peak, "peak_tflops_end": peak_end,
+                              "sustained": sustained, "flops": work, "rows": rows}, args.markdown, text)  # fmt: skip
     return 0
+
+
+def report(model, cfg, peak, peak_end, sustained, work, rows) -> str:
+    """The run's markdown: the peaks with their clocks and power, each workload's FLOPs, the rows."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "?"
+    lines = [f"{model}, bf16, {gpu}; burst peak (bf16 8192³ matmul) {peak:.0f} TFLOP/s at the start, "
+             f"{peak_end:.0f} at the end; linear work {linear_flops(cfg, cfg.merge_unit) / cfg.merge_unit / 1e9:.3f} "
+             "GFLOP/patch", ""]  # fmt: skip
+    peaks = []
+    for wl, w in work.items():
+        s = sustained[wl]
+        peaks.append([wl, f"{w['linear'] / 1e9:.1f}", f"{w['attention'] / 1e9:.1f}",
+                      f"{w['attention'] / w['total'] * 100:.1f}%", "x".join(map(str, s["shape"])), f"{s['tflops']:.0f}",
+                      f"{s['seconds']:.1f}", _fmt(s["sm_mhz"]), f"{_fmt(s['sm_mhz_min'])}-{_fmt(s['sm_mhz_max'])}",
+                      _fmt(s["power_w"])])  # fmt: skip
+    lines += [markdown_table(["workload", "linear GFLOP", "attention GFLOP", "attention share", "largest GEMM",
+                              "sustained TFLOP/s", "s", "SM MHz", "SM MHz range", "W"], peaks), ""]  # fmt: skip
+    table = [[r["impl"], r["workload"], f"{r['ms']:.2f}", f"{r['img_s']:.0f}", f"{r['patch_s']:.0f}",
+              f"{r['tflops']:.0f}", f"{r['mfu'] * 100:.1f}%", f"{r['util_burst'] * 100:.1f}%",
+              f"{r['util_sustained'] * 100:.1f}%"] for r in rows]  # fmt: skip
+    header = ["implementation", "workload", "ms", "img/s", "patches/s", "TFLOP/s (whole)", "MFU (linear, burst)",
+              "whole / burst", "whole / sustained"]  # fmt: skip
+    lines.append(markdown_table(header, table, right=2))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Kernel-time breakdown of one eager forward (CUDA), to see what the graph replay spends on.
 
-Run: `python benchmarks/profile_engine.py --images 1,32 [--side 224] [--model qwen3-vl-8b] [--backend torch_varlen]`.
+Run: `python -m benchmarks.profile_engine --images 1,32 [--side 224] [--model qwen3-vl-8b] [--backend torch_varlen]`.
 `--launch`: instead, the host side of one 224x224 image through the replica's path (pinned upload,
 patchify, `GraphEncoder.encode_async`): launch time vs launch-to-result, and the CPU ops of the launch.
 """
@@ -11,15 +11,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import encoder  # noqa: E402
+import encoder
 
 
 def main() -> int:

@@ -11,10 +11,10 @@ Prints a markdown table (and writes JSON with --json). Phases:
   router      (--router-compare) 2 replicas x 0.5 GPU, handle callers, 90% 224x224 / 10% 1344x1344:
               small-image latency and total img/s, Ray's default router vs deployments.routing.router:BucketRouter.
 
-GPU (H200):  python benchmarks/service.py --model qwen2.5-vl-7b --replicas-per-gpu 2 --ingress-replicas 4
-CPU check:   python benchmarks/service.py --model tiny --quick
+GPU (H200):  python -m benchmarks.service --model qwen2.5-vl-7b --replicas-per-gpu 2 --ingress-replicas 4
+CPU check:   python -m benchmarks.service --model tiny --quick
 Ray's proxy alternatives are environment flags read when Serve starts, e.g.
-  RAY_SERVE_ENABLE_HA_PROXY=1 python benchmarks/service.py ...   (or RAY_SERVE_ENABLE_DIRECT_INGRESS=1)
+  RAY_SERVE_ENABLE_HA_PROXY=1 python -m benchmarks.service ...   (or RAY_SERVE_ENABLE_DIRECT_INGRESS=1)
 """
 
 from __future__ import annotations
@@ -34,10 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # before ray.init: Ray workers inherit the driver's sys.path
-
-from load_gen import load, pct, row, run_load  # noqa: E402 - this script's directory, first on sys.path
+from benchmarks.load_gen import load, pct, row, run_load
 
 # Ray Serve feature flags, read when Ray's processes start (set before `import ray`):
 #   default     Ray's Python HTTP proxy; handle calls as Ray actor tasks; user code in a separate thread.

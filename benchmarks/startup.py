@@ -3,7 +3,7 @@ graph shape of the default table, kernel compilation included). Prints one JSON 
 
 Run twice with FA4's persistent compile cache on to see what a restart saves:
     FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache \
-        python benchmarks/startup.py --model qwen2.5-vl-7b --attention fa4
+        python -m benchmarks.startup --model qwen2.5-vl-7b --attention fa4
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import encoder  # noqa: E402
-import workspace  # noqa: E402
+import encoder
+import workspace
+from benchmarks.common import require_cuda
 
 
 def main(argv=None) -> int:
@@ -28,8 +26,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="qwen2.5-vl-7b")
     parser.add_argument("--attention", default="auto")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/startup.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("benchmarks.startup"):
         return 2
     t0 = time.perf_counter()
     enc = encoder.load(args.model, device="cuda", dtype=torch.bfloat16, attention=args.attention)

@@ -145,7 +145,7 @@ class BatchingArgs(BaseModel):
         gt=0,
         description="Python's GIL switch interval in encoder replicas (sys.setswitchinterval). The device thread "
         "waits in GIL-releasing calls while the event loop unpickles requests; coming back it waits for the "
-        "GIL up to this long each time (Python's default 5 ms; benchmarks/gil_convoy.py). None: leave it. "
+        "GIL up to this long each time (Python's default 5 ms; benchmarks/experiments/gil_convoy.py). None: leave it. "
         "Ingress replicas keep Python's default (their idle decode measured no better with 0.5 ms).",
     )
     batcher: Literal["serve", "continuous"] = Field(

@@ -18,7 +18,7 @@ inherited and a replacement is ready in ~0.1 s (`spawn` works too, each worker i
 Cancelling `decode_async` drops a call waiting for a worker and stops (kills, replaces) the worker of
 one already decoding, since its caller is gone. Pixels come back through the worker's pipe.
 
-Per-image cost of the pool over decoding inline in the calling thread (`benchmarks/decode_limits.py`,
+Per-image cost of the pool over decoding inline in the calling thread (`benchmarks/experiments/decode_limits.py`,
 median of 20-30 interleaved runs on a 2-core box shared with other jobs; load average ~2.5 [~9]):
   decode_rgb 224x224 JPEG q90:        inline 0.54 ms, pool 0.84 ms (+0.3 ms) [+0.3-0.6 ms]
   decode_rgb 2048x2048 JPEG q90:      inline 34 ms, pool 46 ms (+11 ms: 12.6 MB of pixels) [+17-25 ms]

@@ -17,7 +17,7 @@ decode 0.23 s, 100,000 empty JPEG comments (0.4 MB) its Image.open 0.3 s, so a 2
 take seconds without these limits. Frames after the first are never decoded (`load_image` uses frame
 0), so the frame limit only bounds the walk and what a later frame-aware caller would face.
 
-Cost (`benchmarks/decode_limits.py` on a 2-core CPU box shared with other jobs, two runs at load
+Cost (`benchmarks/experiments/decode_limits.py` on a 2-core CPU box shared with other jobs, two runs at load
 averages ~9 and ~2.5; best of 5): the JPEG walk is one C-level regex search per scan, ~0.5 ms per MB of
 entropy-coded data; the other formats jump from header to header:
   224x224 JPEG q90, 10 KB: 15-23 us           4000x4000 JPEG q90 photo-like, 3.3 MB: 1.8-1.9 ms (decode 92 ms)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("encoder", "workspace", "deployments")
 RAY_COMPAT = "deployments.ray_compat"
 TOWERS = ("encoder.models.qwen2", "encoder.models.qwen3", "encoder.models.vit")
-TORCH_FREE = ("encoder.preprocessing", "deployments.ingress")  # packages whose modules never import torch
+TORCH_FREE = ("encoder.preprocessing", "deployments.ingress.deployment")  # packages whose modules never import torch
 
 
 def module_name(path: Path) -> str:
@@ -96,9 +96,9 @@ def _in(name: str, package: str) -> bool:
 @pytest.mark.parametrize(
     "wing, forbidden",
     [
-        ("deployments.ingress", ("deployments.replica", "deployments.routing")),
-        ("deployments.replica", ("deployments.ingress",)),
-        ("deployments.routing", ("deployments.ingress", "deployments.replica")),
+        ("deployments.ingress.deployment", ("deployments.replica.deployment", "deployments.routing")),
+        ("deployments.replica.deployment", ("deployments.ingress.deployment",)),
+        ("deployments.routing", ("deployments.ingress.deployment", "deployments.replica.deployment")),
     ],
 )
 def test_the_wings_of_deployments_stay_apart(wing, forbidden):

@@ -1,13 +1,14 @@
-"""Every script in benchmarks/ imports and answers `--help`, and the invocations `benchmarks/device_run.sh` makes
-parse, on a CPU: a script broken by a renamed function or argument fails here, not in a GPU session's scarce
-minutes. In this process (torch is loaded already): runpy runs each script as `python benchmarks/x.py` would,
-its directory first on sys.path. Running them is left to the CPU smoke commands (BENCHMARKS.md) and the GPU."""
+"""Every script in benchmarks/ (and benchmarks/experiments/) imports and answers `--help`, and every command line
+`benchmarks/device_run.sh` runs parses, on a CPU: a script broken by a renamed function or argument fails here, not
+in a GPU session's scarce minutes. In this process (torch is loaded already): runpy runs each module as
+`python -m benchmarks.<name>` would. Running them is left to the GPU (`benchmarks/device_run.sh`)."""
 
 from __future__ import annotations
 
 import argparse
 import re
 import runpy
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,31 +16,45 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+MODULES = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for p in [*BENCH.glob("*.py"), *BENCH.glob("experiments/*.py")]
+    if p.name != "__init__.py"
+)
 # no command line to ask: imported only (their `__main__` would run the benchmark or the sampler)
 NO_CLI = {
-    "cuda_timing.py": "timers the others import",
-    "load_gen.py": "service.py's load generator",
-    "suite_cpu.py": "a pytest plugin",
-    "suite_procs.py": "a pytest plugin; its __main__ is the sampler process, started with two paths",
+    "benchmarks.common": "what the benchmarks share",
+    "benchmarks.flops": "the FLOP counting the benchmarks import",
+    "benchmarks.load_gen": "service.py's load generator",
+    "benchmarks.experiments.suite_cpu": "a pytest plugin",
+    "benchmarks.experiments.suite_procs": "a pytest plugin; its __main__ is the sampler process (two paths)",
 }
-# as benchmarks/device_run.sh runs them (its variables filled in)
-DEVICE_RUN = [
-    "attention.py --check",
-    "engine.py --json /tmp/engine.json",
-    "engine.py --model qwen3-vl-8b --pad-compare --json /tmp/engine_qwen3.json",
-    "engine.py --backends triton --json /tmp/engine_q25.json",
-    "engine.py --backends triton --no-hf",
-    "profile_engine.py",
-    "clip.py",
-    "batch.py --as-checkpoint --num-images 20000 --markdown /tmp/batch.md",
-    "service.py --model /tmp/ckpt-7b --replicas-per-gpu 2 --ingress-slots 1 --pipeline-depth 2"
-    " --gil-switch-interval 0.005 --ingress-replicas 6 --client-procs 4 --duration 6 --json /tmp/svc.json",
-    "service.py --model qwen2.5-vl-7b --replicas-per-gpu 1 --router-compare --ingress-replicas 6 --client-procs 4"
-    " --duration 6 --json /tmp/acceptance.json",
-    "service.py --model qwen2.5-vl-7b --replicas-per-gpu 2 --serve-mode default --ingress-replicas 6"
-    " --client-procs 4 --duration 6 --json /tmp/servicedefault.json",
-]
+DEVICE_RUN = (BENCH / "device_run.sh").read_text()
+# device_run.sh's shell variables, filled in as a run would fill them
+SHELL_VALUES = {
+    '${depth:+--pipeline-depth "$depth"}': "--pipeline-depth 2",
+    "${SVC_EXTRA:-}": "--gil-switch-interval 0.005",
+    '"$model"': "qwen2.5-vl-7b",
+    '"$r"': "2",
+    '"$slots"': "1",
+    "$m": "qwen3-vl-8b",
+}
+
+
+def device_run_commands() -> list[str]:
+    """Every `python3 -m benchmarks....` command line of device_run.sh, its variables filled in (`$extra`: once per
+    value the script gives it), up to its first redirection."""
+    code = "\n".join(line for line in DEVICE_RUN.splitlines() if not line.lstrip().startswith("#"))
+    text = code.replace("\\\n", " ")
+    extras = re.findall(r'extra="([^"]*)"', text)
+    commands = []
+    for match in re.finditer(r"python3 -m (benchmarks[\w.]*)([^>\n;|]*)", text):
+        line = match.group(1) + match.group(2)
+        line = re.sub(r'"\$OUT/([^"]*)"', r"/tmp/out/\1", line)
+        for var, value in SHELL_VALUES.items():
+            line = line.replace(var, value)
+        commands += [line.replace("$extra", e) for e in extras] if "$extra" in line else [line]
+    return [" ".join(c.split()) for c in commands]
 
 
 class Parsed(Exception):
@@ -47,62 +62,95 @@ class Parsed(Exception):
 
 
 @pytest.fixture
-def run_script(monkeypatch):
-    """Run benchmarks/<name> as `__main__` with `args`; sibling modules it imports are dropped afterwards."""
+def run_module(monkeypatch):
+    """Run `module` as `__main__` with `args` (as `python -m module args`); benchmark modules it imported are
+    dropped afterwards."""
     before = set(sys.modules)
 
-    def run(name: str, args: list[str], main: bool = True) -> None:
-        monkeypatch.setattr(sys, "path", [str(BENCH), str(ROOT), str(ROOT / "tests"), *sys.path])
-        monkeypatch.setattr(sys, "argv", [str(BENCH / name), *args])
-        runpy.run_path(str(BENCH / name), run_name="__main__" if main else "benchmark_import")
+    def run(module: str, args: list[str], main: bool = True) -> None:
+        monkeypatch.setattr(sys, "argv", [module, *args])
+        sys.modules.pop(module, None)  # run_module warns when the module it runs is imported already
+        runpy.run_module(module, run_name="__main__" if main else "benchmark_import", alter_sys=True)
 
     yield run
     for mod in set(sys.modules) - before:
-        if str(BENCH) in str(getattr(sys.modules[mod], "__file__", None) or ""):
+        if mod.startswith("benchmarks"):
             del sys.modules[mod]
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_every_benchmark_imports_and_answers_help(name, run_script, capsys):
-    if name in NO_CLI:
-        run_script(name, [], main=False)
+@pytest.mark.parametrize("module", MODULES)
+def test_every_benchmark_imports_and_answers_help(module, run_module, capsys):
+    if module in NO_CLI:
+        run_module(module, [], main=False)
         return
     with pytest.raises(SystemExit) as exit_:
-        run_script(name, ["--help"])
+        run_module(module, ["--help"])
     assert exit_.value.code in (0, None), capsys.readouterr().err
     assert "usage:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", DEVICE_RUN, ids=lambda c: " ".join(c.split()[:6]))
-def test_the_device_runs_arguments_parse(command, run_script, monkeypatch):
+def test_the_experiments_say_what_they_answered():
+    """benchmarks/experiments/ holds questions already asked: each docstring ends with its answer."""
+    import ast
+
+    for path in sorted((BENCH / "experiments").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        last = doc.strip().split("\n\n")[-1]
+        assert last.startswith("Answer ("), f"{path.name}: its docstring does not end with its answer"
+
+
+def test_no_benchmark_edits_sys_path():
+    """Scripts import each other as the `benchmarks` package does, never through sys.path."""
+    offenders = [
+        str(p.relative_to(ROOT)) for p in BENCH.rglob("*.py") if re.search(r"sys\.path\.(insert|append)", p.read_text())
+    ]
+    assert not offenders
+
+
+@pytest.mark.parametrize("command", device_run_commands(), ids=lambda c: " ".join(c.split()[:6]))
+def test_the_device_runs_arguments_parse(command, run_module, monkeypatch):
     parse = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, *args, **kwargs):
         raise Parsed(parse(self, *args, **kwargs))
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    name, *args = command.split()
+    module, *args = shlex.split(command)
+    assert module in MODULES, f"device_run.sh runs {module}, which is gone"
     with pytest.raises(Parsed):
-        run_script(name, args)
+        run_module(module, args)
 
 
-def test_the_device_run_list_covers_every_script_device_run_sh_runs():
-    ran = set(re.findall(r"benchmarks/(\w+\.py)", (BENCH / "device_run.sh").read_text()))
-    assert ran <= set(SCRIPTS), f"device_run.sh runs scripts that are gone: {sorted(ran - set(SCRIPTS))}"
-    assert ran <= {c.split()[0] for c in DEVICE_RUN}
+def test_device_run_sh_runs_every_product_benchmark_and_its_other_calls_resolve():
+    ran = {shlex.split(c)[0] for c in device_run_commands()}
+    for module in ("benchmarks.engine", "benchmarks.clip", "benchmarks.startup", "benchmarks.attention"):
+        assert module in ran, module
+    assert len(device_run_commands()) >= 12
+    from benchmarks.batch import export_preset  # the `ckpt` step's `python3 -c`
+
+    assert callable(export_preset)
+    assert "from benchmarks.batch import export_preset" in DEVICE_RUN
+
+
+def test_the_wheel_leaves_the_benchmarks_out():
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [p for p in include if "benchmarks".startswith(p.rstrip("*"))], include
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2-vl", "tiny", "tiny-qwen3-vl"])
-def test_engine_builds_the_hf_tower_of_every_qwen_family(preset, monkeypatch):
+def test_engine_builds_the_hf_tower_of_every_qwen_family(preset):
     """engine.py's HF-eager rows: the transformers tower of the model's own family, holding our weights. It built a
     Qwen2.5-VL tower for Qwen2-VL models too and failed there (no `fullatt_block_indexes`)."""
     import torch
 
     import encoder
+    from benchmarks.engine import hf_tower
     from tests.graph_cases import rel_err
 
-    monkeypatch.setattr(sys, "path", [str(BENCH), str(ROOT), *sys.path])
-    hf_tower = runpy.run_path(str(BENCH / "engine.py"), run_name="benchmark_import")["hf_tower"]
     enc = encoder.load(preset, device="cpu", dtype=torch.float32)
     grid = torch.tensor([[1, 8, 12]])
     pixels = torch.randn(96, enc.config.patch_dim, generator=torch.Generator().manual_seed(0))

@@ -18,7 +18,11 @@ directory through a path that contains `site-packages` (a symlink `/tmp/q/site-p
 `site.addsitedir('/tmp/q/site-packages')`): quack keys its compile cache on the globals of every function
 outside a site-packages directory, and the CuTe-DSL's cannot be keyed (TypeError at the first GEMM).
 
-    python benchmarks/quack_tower.py --rounds 3 --iters 20
+    python -m benchmarks.experiments.quack_tower --rounds 3 --iters 20
+
+Answer (H200, 2026-12-03): fc1 on quack's `gemm_act` gains 0.8% at 8×896² (3.9% at 32×224²) and the residual in
+proj's epilogue gives it back; at 8×896² the H200 runs at its 700 W cap (SM 1,425–1,695 MHz), so the forward's
+energy, not a kernel's schedule, decides its time: not built.
 """
 
 from __future__ import annotations
@@ -33,16 +37,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cuda_timing import timed  # noqa: E402
-from engine import WORKLOADS, linear_flops_per_patch, make_batch, matmul_peak, use_backend  # noqa: E402
-
-import encoder  # noqa: E402
-import workspace  # noqa: E402
-from encoder.kernels.elementwise import add_norm, rotary_qkv  # noqa: E402
-from encoder.models.qwen2 import norm_args  # noqa: E402
+import encoder
+import workspace
+from benchmarks.common import WORKLOADS, make_batch, matmul_peak, timed, use_backend
+from benchmarks.flops import linear_flops
+from encoder.kernels.elementwise import add_norm, rotary_qkv
+from encoder.models.qwen2 import norm_args
 
 MIN_ROWS = 4096
 MODE = {"name": "cublas"}  # read at capture time by the patched block forward
@@ -112,7 +112,7 @@ def main() -> int:
     peak_start = matmul_peak()
     base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
     use_backend(base, "auto")
-    per_patch = linear_flops_per_patch(base.config)
+    per_patch = linear_flops(base.config, base.config.merge_unit) / base.config.merge_unit
     workloads = args.workloads.split(",")
     batches = {wl: make_batch(base, *WORKLOADS[wl]) for wl in workloads}
     graphs, setup, results = {}, {}, {"model": args.model, "device": torch.cuda.get_device_name()}

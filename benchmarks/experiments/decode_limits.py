@@ -1,10 +1,16 @@
 """Cost of the decode protections of issue 17 on this CPU: the structural guard, scan bombs, the pool.
 
-    PYTHONPATH=.:tests python benchmarks/decode_limits.py            # all sections
-    PYTHONPATH=.:tests python benchmarks/decode_limits.py --bomb-scans 1000 5000
+    python -m benchmarks.experiments.decode_limits            # all sections
+    python -m benchmarks.experiments.decode_limits --bomb-scans 1000 5000
 
 Prints one line per measurement (median, or best of 5 for the microsecond-scale guard). The numbers in
 the docstrings of encoder/preprocessing/image_guard.py and deployments/ingress/decode_pool.py come from this script.
+
+Answer (2-core CPU box, issue 17): the structural guard costs 15–23 µs for a 224² JPEG and ≈ 0.5 ms per MB of
+entropy-coded data (a 2,002-scan bomb is refused in 0.2 ms); the decode pool adds ≈ 0.3 ms per small image and ≈ 1
+ms per MB of pixels returned. Both kept on every request (details in the docstrings of
+`encoder/preprocessing/image_guard.py` and
+`deployments/ingress/decode_pool.py`).
 """
 
 from __future__ import annotations
@@ -16,13 +22,13 @@ import time
 import timeit
 
 import numpy as np
-from jpeg_bombs import scan_bomb
 from PIL import Image
 
 from deployments.ingress.decode_pool import DecodePool, decode_resized, decode_rgb
 from encoder.errors import ImageTooComplexError
 from encoder.preprocessing.image_guard import check_structure
 from encoder.preprocessing.qwen import DEFAULT_CONFIG, load_image
+from tests.jpeg_bombs import scan_bomb
 
 
 def encoded(pixels: np.ndarray, fmt: str, **kwargs) -> bytes:

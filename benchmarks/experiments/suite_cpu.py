@@ -6,9 +6,13 @@ line per module: wall seconds, busy CPU-seconds of the whole machine, and how bu
 is bound by CPU work (processes started, imports, encoding): running it beside others gains nothing; one well
 under is waiting (timeouts, health-check periods, start-up sequences) and could overlap with other work.
 
-    PYTHONPATH=benchmarks python -m pytest -q -m slow -p suite_cpu   # lines go to suite_cpu.txt (SUITE_CPU_OUT)
+    python -m pytest -q -m slow -p benchmarks.experiments.suite_cpu   # lines go to suite_cpu.txt (SUITE_CPU_OUT)
 
 Linux only (`/proc/stat`). A module's fixture teardown is counted in the module, its first setup too.
+
+Answer (2-core CPU box, issue 18, 2026-12-02): the slow modules are mostly CPU-bound, not waiting (test_shutdown 98%
+busy, multi-node 79%, batch 83%, most Serve modules 69–96%), so running them side by side gains little on 2 cores;
+their time is process start-ups and imports (see `suite_procs`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ call; every output is checked against float32 (`max |out - ref| / max |ref|`) in
 Then a block's four GEMMs in sequence, cuBLAS vs the best quack config per shape. Needs a Hopper GPU and
 `quack-kernels` (the FA4 pack: ../shared/device/pack-fa4.sh, plus einops).
 
-    python benchmarks/quack_gemm.py --models qwen2.5-vl-7b,qwen3-vl-8b-8x896 --out results.json
+    python -m benchmarks.experiments.quack_gemm --models qwen2.5-vl-7b,qwen3-vl-8b-8x896 --out results.json
+
+Answer (H200, 2026-12-02): at 25,088 rows quack's 128×192 pingpong GEMM beats cuBLAS on all four Qwen3-VL-8B block
+GEMMs (−8% a block), but in the tower it gained only 0.9% (8×896²) and 1.5% (32×224²); at 256 rows cuBLAS wins and
+quack's split-K never does: not built.
 """
 
 from __future__ import annotations
@@ -23,8 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_timing import per_call_us  # noqa: E402 - 20 calls per CUDA graph, median of CUDA-event timings
+from benchmarks.common import per_call_us
 
 MODELS = {  # name: (rows of one 224² image, {gemm: (K, N)})
     "qwen2.5-vl-7b": (256, {"qkv": (1280, 3840), "proj": (1280, 1280), "gate_up": (1280, 6912), "down": (3456, 1280)}),

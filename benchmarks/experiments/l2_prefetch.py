@@ -14,24 +14,25 @@ down), distinct weights per block (cold, as in a tower), captured in one CUDA gr
 
 Prints µs per block for each variant and checks that the outputs equal `plain`'s.
 
-    python3 benchmarks/l2_prefetch.py [--rows 256] [--blocks 8] [--programs 16,32,64]
+    python -m benchmarks.experiments.l2_prefetch [--rows 256] [--blocks 8] [--programs 16,32,64]
+
+Answer (H200, 2026-12-02): no, or very little: with the weights surely in L2 the 256-row GEMMs are at most 7%
+faster, a whole block's weights warm in L2 gain nothing, and every prefetch variant is slower; the one-image GEMMs
+are bound by their tiling, not HBM.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from block_gemms import SHAPES  # noqa: E402 - Qwen2.5-VL-7B's four block GEMMs, (K, N)
-from engine import timed  # noqa: E402 - median of CUDA-event timings, as every benchmark here
-from graph_gap import captured  # noqa: E402 - a warm-up on a side stream, then one capture
+from benchmarks.common import timed
+from benchmarks.experiments.block_gemms import SHAPES
+from benchmarks.experiments.graph_gap import captured
 
 
 @triton.jit
