@@ -1,7 +1,7 @@
 """Every script in benchmarks/ imports and answers `--help`, and the invocations `benchmarks/device_run.sh` makes
 parse, on a CPU: a script broken by a renamed function or argument fails here, not in a GPU session's scarce
 minutes. In this process (torch is loaded already): runpy runs each script as `python benchmarks/x.py` would,
-its directory first on sys.path. Running them is left to the CPU smoke commands (BENCHMARKS.md) and the GPU."""
+its directory first on sys.path. Running them is left to the CPU smoke commands (docs/performance.md) and the GPU."""
 
 from __future__ import annotations
 
