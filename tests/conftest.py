@@ -16,8 +16,8 @@ def _compile_the_project() -> None:
     """Write the project's bytecode where Python is told not to (PYTHONDONTWRITEBYTECODE=1, as on the project's
     CPU boxes). Every Ray replica, worker and subprocess the tests start imports these packages, and without
     .pyc files each one compiles them from source again: ~0.6 CPU-s per encoder or ingress replica
-    (BENCHMARKS.md, tenth session). Python writes them itself on first import wherever the variable is unset;
-    `compileall` skips the files whose bytecode is up to date."""
+    (docs/journal/benchmarks.md, tenth session). Python writes them itself on first import wherever the variable
+    is unset; `compileall` skips the files whose bytecode is up to date."""
     if not sys.dont_write_bytecode or os.environ.get("PYTEST_XDIST_WORKER"):  # workers: their controller did
         return
     import compileall
@@ -46,7 +46,7 @@ except ImportError as exc:
 # over the workers and deploy its application in each. The modules that start Ray instances of their own (marked
 # `own_ray` or `spawns_ray`, listed here because xdist's controller sees test ids, not marks) go together, one after
 # another in one worker: two of them side by side on a 2-core box once made a node's start time out after 40 s
-# (BENCHMARKS.md, tenth session). `pytest_collection_modifyitems` checks the list against the marks.
+# (docs/journal/benchmarks.md, tenth session). `pytest_collection_modifyitems` checks the list against the marks.
 RAY_OF_ITS_OWN = "ray-of-its-own"
 RAY_OF_ITS_OWN_MODULES = frozenset({
     "tests/integration/batch/test_batch_reaper.py",

@@ -1,8 +1,8 @@
 """Every cuBLASLt algorithm for Qwen2.5-VL-7B's four block GEMMs at few rows, not only the one torch takes.
 
 torch's `F.linear` (bias in cuBLASLt's epilogue) asks cuBLASLt's heuristic for one algorithm and runs it. At 256
-rows (one 224² image) those kernels leave most SMs idle (BENCHMARKS.md: their tiling, not HBM, bounds them),
-and torch offers no way to pick another: TunableOp searches only on ROCm. This script calls cuBLASLt itself
+rows (one 224² image) those kernels leave most SMs idle (docs/journal/benchmarks.md: their tiling, not HBM, bounds
+them), and torch offers no way to pick another: TunableOp searches only on ROCm. This script calls cuBLASLt itself
 (ctypes, the library torch already loaded), asks the heuristic for up to `--algos` candidates, adds split-K
 variants of the first few (`CUBLASLT_ALGO_CONFIG_SPLITK_NUM`, each checked with `cublasLtMatmulAlgoCheck`),
 checks each candidate's output against `F.linear`'s, and times each: 20 calls per CUDA graph, µs per call.

@@ -1,8 +1,8 @@
 """Do a block's GEMMs pay for the kernels around them? (issue 15: one 224² image, Qwen2.5-VL-7B shapes)
 
 In a 1×224² replay a block's four cuBLAS GEMMs take ≈ 34 µs, where the same four timed alone (20 identical calls
-per CUDA graph) add up to ≈ 30 µs (BENCHMARKS.md, fourth and fourteenth sessions): ≈ 4 µs a block, ≈ 130 µs a
-replay, lost to whatever running *different* kernels one after another costs (instruction caches, the SM's
+per CUDA graph) add up to ≈ 30 µs (docs/journal/benchmarks.md, fourth and fourteenth sessions): ≈ 4 µs a block, ≈ 130 µs
+a replay, lost to whatever running *different* kernels one after another costs (instruction caches, the SM's
 shared-memory/L1 split switching between kernels that want different carveouts, ...). This script measures that
 in CUDA graphs at 256 rows, 8 layers' distinct weights, bf16, µs per layer:
 

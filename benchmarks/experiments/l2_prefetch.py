@@ -1,8 +1,8 @@
 """Do few-row GEMMs run faster when their weights are already in L2? (issue 15: single-image latency)
 
 At one 224² image (256 rows) cuBLAS reads Qwen2.5-VL-7B's block weights at ≈ 1.3–1.5 TB/s, a third of the
-H200's HBM bandwidth, on about half the SMs: latency-bound, not bandwidth-bound (BENCHMARKS.md). This script
-measures whether reading the *next* GEMM's weights into L2 on a side stream, while the current GEMM runs on the
+H200's HBM bandwidth, on about half the SMs: latency-bound, not bandwidth-bound (docs/journal/benchmarks.md). This
+script measures whether reading the *next* GEMM's weights into L2 on a side stream, while the current GEMM runs on the
 idle SMs, makes that next GEMM faster. The sequence is 8 blocks × the four bias GEMMs (qkv, proj, gate_up,
 down), distinct weights per block (cold, as in a tower), captured in one CUDA graph:
 

@@ -61,7 +61,7 @@ def patch_blocks(tower) -> dict:
     """Give every block a forward that follows MODE; returns the per-GEMM quack configs it uses."""
     from quack.gemm_interface import gemm_act, gemm_tuned
 
-    # the ninth session's best cluster per shape at 25,088 rows (BENCHMARKS.md)
+    # the ninth session's best cluster per shape at 25,088 rows (docs/journal/benchmarks.md)
     cfg = {"qkv": quack_config(1, 2), "proj": quack_config(2, 1), "fc1": quack_config(2, 1), "fc2": quack_config(1, 2)}
 
     def linear(x, lin, which, c=None, out_dtype=None):

@@ -17,7 +17,7 @@ dtype=..., num_patches=n, num_images=k)` (per-token LLM-ready outputs in a wire 
   in Ray's throughput mode. Over gRPC the encoder replica pickles each answer into its response message on
   its event loop, which also runs the batching: with bfloat16 answers of ~3 224x224 images (1.4 MB) per
   call that loop held the GIL 55% of the time (26 points in native code under the loop: uvloop, gRPC),
-  the GPU was busy 63% and the answers ran at 81% of the pooled ones (py-spy on the H200, BENCHMARKS.md,
+  the GPU was busy 63% and the answers ran at 81% of the pooled ones (py-spy on the H200, docs/journal/benchmarks.md,
   issue 14). By reference, Ray serialises the answer off that loop (numpy buffers out of band, into shared
   memory) and the ingress reads the arrays in place: GPU 89% busy, 93-96% of the pooled throughput.
 

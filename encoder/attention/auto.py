@@ -5,7 +5,7 @@ A tower's layers are of kinds: "full" (attention over whole images) and, for Qwe
 from the call's static `max_seqlen` bound and head dim: inside a CUDA graph that is the shape's
 bound, so each captured shape bakes in its own choice (a 1 x 224² pack and an 8 x 896² pack of the
 same tower may run different kernels). The rule is a ranking measured on the H200 (graph replay,
-bf16, 16 heads, `benchmarks/attention.py`, BENCHMARKS.md 2026-12-01 second session, run 2; ms):
+bf16, 16 heads, `benchmarks/attention.py`, docs/journal/benchmarks.md 2026-12-01 second session, run 2; ms):
 
 | segments          | hd | triton | torch_varlen | fa4   |
 | ----------------- | -: | -----: | -----------: | ----: |

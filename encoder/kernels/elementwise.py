@@ -1,6 +1,6 @@
 """Fused elementwise kernels for the blocks (Triton on CUDA), each with a torch reference.
 
-The profile of an eager forward on the H200 (BENCHMARKS.md) shows unfused elementwise work —
+The profile of an eager forward on the H200 (docs/journal/benchmarks.md) shows unfused elementwise work —
 float32 rotary with its cat/neg/mul chain, float32 RMSNorm in four passes, SiLU times up, the
 residual adds — taking more GPU time than the GEMMs. Each kernel here reads its inputs once and
 writes its outputs once. `fused(x)` decides per tensor: Triton on CUDA, the torch reference
@@ -68,7 +68,7 @@ def add_norm(
 
     RMSNorm when `rms`, else LayerNorm with `bias`. The residual stream stays float32 for the
     whole tower (only GEMM inputs are rounded to the model dtype): in bf16 a 32-block tower
-    otherwise loses about 1% to rounding of the stream itself (BENCHMARKS.md).
+    otherwise loses about 1% to rounding of the stream itself (docs/journal/benchmarks.md).
     """
     # x, residual: [S, D]; either may be float32 or the model dtype
     if not fused(x):
@@ -291,7 +291,7 @@ def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int, div
 def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """gelu_tanh(x @ W.T + b): on CUDA one cuBLASLt GEMM whose epilogue adds the bias and applies the
     tanh-approximated GELU (`torch._addmm_activation`), instead of a GEMM plus a pass over the
-    [S, F] hidden activations (3.5 ms of a 94 ms Qwen3-VL-8B forward at 8 x 896², BENCHMARKS.md).
+    [S, F] hidden activations (3.5 ms of a 94 ms Qwen3-VL-8B forward at 8 x 896², docs/journal/benchmarks.md).
     The CPU kernel of that op applies the exact-erf GELU instead, so everywhere else: the reference."""
     # x: [S, D] -> [S, F]
     if x.is_cuda and x.dim() == 2 and linear.bias is not None and os.environ.get("ENCODER_FUSED", "1") != "0":

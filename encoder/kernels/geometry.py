@@ -2,7 +2,7 @@
 
 The torch version is a chain of about 100 tiny kernels (searchsorted, integer arithmetic, cumsums,
 scatters, the rotary cos/sin and their window gather). At one 224² image the H200 spent 0.19 ms of a
-1.90 ms replay on them, before the first block (BENCHMARKS.md, 2026-12-01 fourth session). Here one
+1.90 ms replay on them, before the first block (docs/journal/benchmarks.md, 2026-12-01 fourth session). Here one
 program per block of merge units finds each unit's frame by a loop over the (few) frames, computes
 its rotary angles and its window-permuted position in closed form, and writes cos/sin straight to that
 position; a few more programs write `cu_seqlens` and the window boundaries, also in closed form (a
