@@ -98,3 +98,14 @@ def test_an_output_directory_that_cannot_be_made_exits_2_with_one_line(kind, inp
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "--output" in err and str(output) in err, err
+
+
+def test_help_states_every_exit_status_and_hub_ids(capsys):
+    """Broken: --help named exit statuses 0 and 2 only, and --model as a preset or directory (no Hub ids)."""
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    for status in ("0 the job is complete", "1 it ended with parts missing", "2 bad arguments", "130 interrupted"):
+        assert status in out, out
+    assert "Hub id org/name[@rev]" in out and "Hugging Face Hub id" in out
