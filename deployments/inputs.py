@@ -22,7 +22,13 @@ from PIL import Image, PngImagePlugin
 
 from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
 from encoder.image_guard import check_structure
-from encoder.preprocess import PreprocessConfig, canonical_format, check_image_size, load_image
+from encoder.preprocess import (
+    PreprocessConfig,
+    canonical_format,
+    check_image_size,
+    ignore_pillow_bomb_warning,
+    load_image,
+)
 from encoder.preprocess_vit import num_patches_for, resize_image_for
 
 from .errors import ErrorCode, RequestError
@@ -41,8 +47,10 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,15}://")
 def harden_pillow(max_image_pixels: int) -> None:
     """Process-wide Pillow limits for the ingress (its own process): the decompression-bomb threshold
     (Pillow raises above twice it; `open_input` refuses anything above it from the header) and the memory
-    that PNG text chunks may decompress to (Pillow's default is 64 MiB per image)."""
+    that PNG text chunks may decompress to (Pillow's default is 64 MiB per image); and no
+    DecompressionBombWarning for the images `open_input` refuses (`encoder.preprocess.ignore_pillow_bomb_warning`)."""
     Image.MAX_IMAGE_PIXELS = max_image_pixels
+    ignore_pillow_bomb_warning()
     PngImagePlugin.MAX_TEXT_MEMORY = min(PngImagePlugin.MAX_TEXT_MEMORY, PNG_TEXT_MEMORY)
 
 

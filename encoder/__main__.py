@@ -23,6 +23,7 @@ from .embedding_output import STDOUT, ImageEmbedding, check_output, write
 from .errors import EncoderError, InvalidArgumentError, RandomWeightsWarning, reason
 from .hub import resolve_model
 from .poolings import POOLINGS
+from .preprocess import ignore_pillow_bomb_warning
 
 if TYPE_CHECKING:
     from . import PatchBatch, VisionEncoder
@@ -88,6 +89,7 @@ def preprocess_files(enc: VisionEncoder, paths: list[Path], data: list[bytes]) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    ignore_pillow_bomb_warning()  # an image over our limit is one `error:` line, not a Pillow warning too
     try:
         if args.output is not None:  # before the model loads; the pooling is checked again once known
             check_output(args.output, args.pooling)

@@ -20,6 +20,7 @@ import sys
 
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
+from encoder.preprocess import ignore_pillow_bomb_warning
 from workspace.buckets import BucketError
 
 from .job import run_job
@@ -96,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    ignore_pillow_bomb_warning()  # the driver reads sample headers; a bomb among them is an error row later
     try:
         summary = run_job(cfg)
     except (EncoderError, BucketError) as exc:

@@ -18,7 +18,7 @@ from PIL import Image
 
 import encoder
 from encoder.errors import InvalidArgumentError
-from encoder.preprocess import PreprocessConfig, load_image
+from encoder.preprocess import PreprocessConfig, ignore_pillow_bomb_warning, load_image
 from encoder.preprocess_vit import num_patches_for, resize_image_for
 
 from .columns import ERROR, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
@@ -104,6 +104,7 @@ def decode_batch(
 
     Never raises for a bad image: its row gets pixels = null, patches = 0 and the reason in `error`.
     """
+    ignore_pillow_bomb_warning()  # a Ray worker of ours: a refused bomb is its row's `error`, not a warning too
     check_input_schema(table.schema, image_column)
     kind = image_column_kind(table.schema.field(image_column).type)
     values = table.column(image_column).to_pylist()

@@ -245,3 +245,19 @@ def test_a_reader_that_went_away_is_one_line_not_a_traceback(images, output):
     assert done.returncode == 2, lines
     assert lines[-1] == "error: " + ("-" if output else "stdout") + ": cannot write (Broken pipe)", lines
     assert not any("Traceback" in line or "Exception ignored" in line for line in lines), lines
+
+
+def test_a_refused_bomb_is_one_error_line_and_no_pillow_warning(images, tmp_path, capsys):
+    """Broken: an image over the 100 MP limit was refused and Pillow's DecompressionBombWarning (its own
+    limit is ~89 MP) was printed too."""
+    import warnings
+
+    from tests.images_util import png_bomb_header
+
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(png_bomb_header(12_000, 10_000))  # 120 MP: over both limits, under Pillow's error (~179 MP)
+    with warnings.catch_warnings(record=True) as caught:  # and restores the filter main() adds
+        warnings.simplefilter("always")
+        printed, lines = failures_of(capsys, bomb, images[0])
+    assert lines == [f"error: {bomb}: image is 12000x10000 = 120000000 pixels, over the limit of 100000000"]
+    assert [str(w.message) for w in caught if issubclass(w.category, Image.DecompressionBombWarning)] == []
