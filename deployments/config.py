@@ -26,7 +26,7 @@ __all__ = ["API_KEY_ENV", "DEFAULT_IMAGE_FORMATS", "AppArgs", "replica_plan", "r
 
 INGRESS_NAME = "VisionIngress"
 ENCODER_NAME = "VisionEncoder"
-DEFAULT_APP_NAME = "vision"
+DEFAULT_APP_NAME = "default"  # the application's name everywhere: Serve's own default (`serve run deployments:app`)
 
 G = TypeVar("G", bound=BaseModel)
 # the groups by the name a nested `args:` section may use for them (`batching: {max_batch_size: 8}`)

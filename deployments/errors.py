@@ -56,6 +56,7 @@ class ErrorCode(Enum):
     IMAGE_FETCH_FAILED = ("image_fetch_failed", 400, _INVALID, CLIENT_ERROR)
     INVALID_IMAGE = ("invalid_image", 400, _INVALID, CLIENT_ERROR)
     INVALID_ARGUMENT = ("invalid_argument", 400, _INVALID, CLIENT_ERROR)
+    # a pooling name of some family that the served model does not offer; a name of none is 422 INVALID_SCHEMA
     INVALID_POOLING = ("invalid_pooling", 400, _INVALID, CLIENT_ERROR)
     INVALID_DIMENSIONS = ("invalid_dimensions", 400, _INVALID, CLIENT_ERROR)
     INVALID_EMBEDDING_DTYPE = ("invalid_embedding_dtype", 400, _INVALID, CLIENT_ERROR)

@@ -91,9 +91,12 @@ def check_encoder_options(config: VisionConfig, buckets=None, dtype=None, attent
 def check_port_free(host: str, port: int) -> None:
     """Refuse a port something already listens on. Ray Serve's proxy binds with SO_REUSEPORT, so a second
     service started on a taken port shares it silently and the kernel splits the connections between the two;
-    a plain bind (no SO_REUSEPORT) fails on any listener, ours or not."""
+    a plain bind (no SO_REUSEPORT) fails on any listener, ours or not. With SO_REUSEADDR, as the proxy also
+    binds, only a listener counts: the TIME_WAIT / FIN_WAIT connections a service just stopped leaves on its
+    port (~65 s after a stop with a client connected) do not."""
     bind_host = "0.0.0.0" if host in ("", "0.0.0.0", "::") else host
     with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((bind_host, port))
         except OSError as exc:

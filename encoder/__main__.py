@@ -3,7 +3,9 @@
 Without --output: one short JSON line per image (patch grid, shape, the first 8 values). With it,
 every value (`encoder.embedding_output`): FILE.npy (pooled vectors, [images, dim]), FILE.parquet
 (one row per image), or - (JSON Lines on stdout). --model takes a preset, a checkpoint directory
-or a Hugging Face Hub id (org/name[@revision]). Exit status: 0 done, 2 bad arguments, model or image.
+or a Hugging Face Hub id (org/name[@revision]). An image that cannot be read or encoded is reported on
+stderr (one `error: FILE: ...` line each) and left out; the others are encoded and written.
+Exit status: 0 done, 1 some images failed (the others written), 2 bad arguments, model or output, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from encoder.embedding_output import STDOUT, ImageEmbedding, check_output, write
 from encoder.errors import EncoderError, InvalidArgumentError, RandomWeightsWarning, reason
 from encoder.loading.hub import resolve_model
 from encoder.poolings import POOLINGS
+from encoder.preprocessing.qwen import ignore_pillow_bomb_warning
 
 if TYPE_CHECKING:
     from encoder import PatchBatch, VisionEncoder
@@ -45,15 +48,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def read_files(paths: list[Path]) -> list[bytes]:
-    """Every file's bytes, before the model is loaded: a missing file fails at once, named."""
-    out = []
+def report(path: Path, exc: Exception) -> None:
+    """One stderr line for an image left out, naming its file."""
+    print(f"error: {image_name(path)}: {exc}", file=sys.stderr)
+
+
+def read_files(paths: list[Path]) -> tuple[list[Path], list[bytes]]:
+    """The files that can be read, with their bytes, before the model is loaded; each other one reported."""
+    good, data = [], []
     for path in paths:
         try:
-            out.append(path.read_bytes())
+            data.append(path.read_bytes())
+            good.append(path)
         except OSError as exc:
-            raise InvalidArgumentError(f"{path}: cannot read ({exc.strerror or reason(exc)})") from None
-    return out
+            report(path, InvalidArgumentError(f"cannot read ({exc.strerror or reason(exc)})"))
+    return good, data
 
 
 def image_name(path: Path) -> str:
@@ -63,25 +72,30 @@ def image_name(path: Path) -> str:
     return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def preprocess_files(enc: VisionEncoder, paths: list[Path], data: list[bytes]) -> PatchBatch:
-    """Each image preprocessed on its own, so an error names its file; then one batch."""
-    batches = []
+def preprocess_files(enc: VisionEncoder, paths: list[Path], data: list[bytes]) -> tuple[list[Path], PatchBatch | None]:
+    """Each image preprocessed on its own, so an error names its file and leaves the others in: the files that
+    preprocessed and their batch (None when none did)."""
+    good, batches = [], []
     for path, item in zip(paths, data, strict=True):
         try:
             batches.append(enc.preprocess([item]))
+            good.append(path)
         except EncoderError as exc:
-            raise type(exc)(f"{path}: {exc}") from None
+            report(path, exc)
     from encoder.patch_batch import PatchBatch
 
-    return PatchBatch.concat(batches)
+    return good, PatchBatch.concat(batches) if batches else None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    ignore_pillow_bomb_warning()  # an image over our limit is one `error:` line, not a Pillow warning too
     try:
         if args.output is not None:  # before the model loads; the pooling is checked again once known
             check_output(args.output, args.pooling)
-        data = read_files(args.images)
+        paths, data = read_files(args.images)
+        if not paths:
+            return 1  # every file was reported; no model to load
         source = resolve_model(args.model)  # a bad model fails here, before torch is imported (~3 s)
         from encoder.api import load, vector_pooling
 
@@ -93,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         pooling = args.pooling or vector_pooling(enc.config)
         if args.output is not None:
             check_output(args.output, pooling)
-        batch = preprocess_files(enc, args.images, data)
+        paths, batch = preprocess_files(enc, paths, data)
+        if batch is None:
+            return 1
         start = time.perf_counter()
         outs = enc.encode(batch, pooling=pooling)
         elapsed = time.perf_counter() - start
@@ -103,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     grids = [tuple(g) for g in batch.grid_thw.tolist()]
-    results = [ImageEmbedding(image_name(p), g, o.numpy()) for p, g, o in zip(args.images, grids, outs, strict=True)]
+    results = [ImageEmbedding(image_name(p), g, o.numpy()) for p, g, o in zip(paths, grids, outs, strict=True)]
     try:
         if args.output is None:
             for r in results:
@@ -118,12 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.output or 'stdout'}: cannot write ({exc.strerror or reason(exc)})", file=sys.stderr)
         return 2
     wrote = "" if args.output in (None, STDOUT) else f", wrote {args.output}"
+    failed = len(args.images) - len(paths)
     print(
         f"{len(outs)} images, {enc.name} on {enc.device} ({enc.dtype}), pooling {pooling}, "
-        f"{elapsed * 1e3:.1f} ms{wrote}",
+        f"{elapsed * 1e3:.1f} ms{wrote}" + (f"; {failed} failed (above)" if failed else ""),
         file=sys.stderr,
     )
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

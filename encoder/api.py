@@ -22,6 +22,7 @@ import torch
 from encoder.attention import resolve_attention
 from encoder.config import DTYPE_NAMES, ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
 from encoder.errors import ConfigError, InvalidArgumentError, RandomWeightsWarning, named
+from encoder.image_paths import preprocess_paths
 from encoder.loading.checkpoint import load_weights, read_image_processor
 from encoder.loading.hub import ResolvedModel, resolve_model
 from encoder.models.geometry import frames_of
@@ -162,6 +163,11 @@ class VisionEncoder:
         return self.config.token_dim
 
     def preprocess(self, images) -> PatchBatch:
+        """One input or a list: encoded bytes, PIL images, uint8 arrays, or paths to image files (str or
+        os.PathLike, read by `encoder.image_paths.preprocess_paths`)."""
+        return preprocess_paths(images, self._preprocess)
+
+    def _preprocess(self, images) -> PatchBatch:
         if isinstance(self.preprocess_config, VitPreprocessConfig):
             return preprocess_vit(images, self.preprocess_config)
         return preprocess(images, self.preprocess_config)
@@ -223,8 +229,8 @@ class VisionEncoder:
         """Per image, float32 CPU tensors: tokens [tokens, dim] ("none"), their mean [dim] ("mean"), the
         model's embedding [out_dim] ("model"), optionally L2-normalised ("-l2"); see the module docstring.
 
-        `images` is a list of inputs `preprocess` accepts, or a `PatchBatch`. `pooling=None` is the
-        model's default (`default_pooling`).
+        `images` is a list of inputs `preprocess` accepts (paths to image files among them), or a `PatchBatch`.
+        `pooling=None` is the model's default (`default_pooling`).
         """
         pooling = self.resolve_pooling(pooling)
         base, l2 = split_pooling(pooling)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import os
 import sys
 import tempfile
@@ -55,8 +56,12 @@ def main(num_images: int = 64, model: str = "tiny", address: str | None = None) 
         # Ray's workers import deployments.batch too: make this checkout importable for them
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         # "local": a Ray instance of our own; a bare ray.init() would join any cluster `ray start` started on
-        # this machine. An address joins that cluster (RAY_AUTH_MODE=token to send its token).
-        ray.init(address=address or "local")
+        # this machine. An address joins that cluster (RAY_AUTH_MODE=token to send its token). Quiet, as the
+        # batch CLI: no token-authentication notice (authentication stays on), Ray's WARNING lines and above.
+        from deployments.ray_compat import quiet_token_auth_notice
+
+        quiet_token_auth_notice()
+        ray.init(address=address or "local", logging_level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "images.parquet"
         make_parquet(src, num_images)
@@ -64,14 +69,16 @@ def main(num_images: int = 64, model: str = "tiny", address: str | None = None) 
         # every time a dataset read from Parquet runs: ~12 s per run on a 2-core machine, against 0.3 s for the
         # V1 reader that this switch (public, in `DataContext`) keeps. Set it before the read (a dataset keeps
         # the context it was created with); the caller's own setting is restored once the job ran.
+        # Ray Data's progress bars count blocks per operator; this script prints its own summary.
         context = ray.data.DataContext.get_current()
         callers_v2, context.use_datasource_v2 = context.use_datasource_v2, False
+        callers_bars, context.enable_progress_bars = context.enable_progress_bars, False
         try:
             ds = ray.data.read_parquet(str(src))
             embedded = embed_dataset(ds, model=model, image_column="image", pooling="mean")
             embedded.write_parquet(str(Path(tmp) / "embeddings"))
         finally:
-            context.use_datasource_v2 = callers_v2
+            context.use_datasource_v2, context.enable_progress_bars = callers_v2, callers_bars
         table = pa.concat_tables([pq.read_table(p) for p in sorted((Path(tmp) / "embeddings").glob("*.parquet"))])
     table = table.sort_by("id")
     dim = table.schema.field("embedding").type.list_size
@@ -88,4 +95,10 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--address", default=None, help="Ray cluster to run on (default: a Ray instance of our own)")
     args = parser.parse_args()
+    import ray.data  # noqa: F401 - sets up Ray Data's loggers: quieter levels go after it
+
+    # Ray Data's INFO lines (each dataset's execution plan and progress) are not printed here, nor its note that
+    # the progress bars are off (as in `python -m deployments.batch`)
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     main(args.num_images, args.model, args.address)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -68,9 +69,19 @@ if __name__ == "__main__":
 
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, if not pip-installed
         import deployments
+        from deployments.ray_compat import quiet_serve_noise, quiet_serve_shutdown_notice, quiet_token_auth_notice
 
-        ray.init(address="local", num_cpus=4)  # a Ray instance of our own
-        handle = serve.run(deployments.build_app({}), name=args.app, route_prefix="/")
+        # quiet, as the launcher: no token-authentication notice (authentication stays on), Ray and Serve at
+        # WARNING and above, none of the two Serve INFO lines quiet_serve_noise drops
+        quiet_token_auth_notice()
+        quiet_serve_shutdown_notice()
+        quiet_serve_noise()
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this driver's Serve lines (start, app ready)
+        ray.init(address="local", num_cpus=4, logging_level=logging.WARNING)  # a Ray instance of our own
+        # handles only: no HTTP proxy, so no port is opened
+        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+        app = deployments.build_app({})
+        handle = serve.run(app, name=args.app, route_prefix=None, logging_config={"log_level": "WARNING"})
     else:
         ray.init(address=args.address)
         handle = serve.get_app_handle(args.app)

@@ -2,7 +2,15 @@
 
 Output: Parquet parts in DIR with every non-image input column, `embedding` and `error` (see
 README "Batch jobs"), plus DIR/_manifest.json. Re-running the same command resumes: finished
-parts are skipped. Exit status: 0 when the job is complete, 2 for a usage/input error.
+parts are skipped. --model takes a preset, a checkpoint directory or a Hugging Face Hub id
+(org/name[@revision]). An image that cannot be read or decoded is an error row (its `error` column),
+not a failed job.
+
+Exit status:
+  0    the job is complete
+  1    it ended with parts missing (re-run the same command to resume)
+  2    bad arguments, inputs or model (one `error:` line, before Ray starts)
+  130  interrupted (Ctrl-C); finished parts are kept, re-run to resume
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from deployments.batch.job import run_job
 from deployments.batch.options import JobConfig
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
+from encoder.preprocessing.qwen import ignore_pillow_bomb_warning
 from workspace.buckets import BucketError
 
 
@@ -39,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     p.add_argument("--output", required=True, help="output directory (created; holds parts and the manifest)")
     p.add_argument("--image-column", default="image", help="binary (encoded images) or string (local paths)")
     p.add_argument("--id-column", default="id", help="column naming rows in the summary (default: id, if present)")
-    p.add_argument("--model", default="tiny", help="preset name or local Hugging Face checkpoint directory")
+    p.add_argument("--model", default="tiny", help="preset, checkpoint directory or Hub id org/name[@rev]")
     p.add_argument(
         "--pooling",
         default=None,
@@ -87,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    ignore_pillow_bomb_warning()  # the driver reads sample headers; a bomb among them is an error row later
     try:
         summary = run_job(cfg)
     except (EncoderError, BucketError) as exc:

@@ -20,7 +20,7 @@ import encoder
 from deployments.batch.columns import ERROR, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
 from deployments.batch.image_files import DEFAULT_MAX_IMAGE_BYTES, read_image_file, resolve
 from encoder.errors import InvalidArgumentError
-from encoder.preprocessing.qwen import PreprocessConfig, load_image
+from encoder.preprocessing.qwen import PreprocessConfig, ignore_pillow_bomb_warning, load_image
 from encoder.preprocessing.vit import num_patches_for, resize_image_for
 
 
@@ -103,6 +103,7 @@ def decode_batch(
 
     Never raises for a bad image: its row gets pixels = null, patches = 0 and the reason in `error`.
     """
+    ignore_pillow_bomb_warning()  # a Ray worker of ours: a refused bomb is its row's `error`, not a warning too
     check_input_schema(table.schema, image_column)
     kind = image_column_kind(table.schema.field(image_column).type)
     values = table.column(image_column).to_pylist()

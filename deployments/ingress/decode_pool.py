@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from encoder.errors import DecodeTimeoutError, DecodeWorkerError, EncoderError, reason
-from encoder.preprocessing.qwen import DEFAULT_CONFIG, PreprocessConfig, load_image
+from encoder.preprocessing.qwen import DEFAULT_CONFIG, PreprocessConfig, ignore_pillow_bomb_warning, load_image
 from encoder.preprocessing.vit import resize_image_for
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ def decode_resized(data: bytes, cfg: PreprocessConfig) -> np.ndarray:
 def _serve(conn, decode_fn: Callable, cfg) -> None:
     """A worker's main loop: bytes in, ('ok', shape) + pixel bytes or an error tuple out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+    ignore_pillow_bomb_warning()  # a fresh process (forkserver): `cfg.max_image_pixels` decides, quietly
     try:
         conn.send(("ready",))
         while True:

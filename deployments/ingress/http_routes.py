@@ -157,7 +157,8 @@ class HttpRoutes:
         dim = info["output_dims"].get(pooling)
         if dim is None:
             raise RequestError(
-                f"pooling {pooling!r} is not supported by this model; supported: {', '.join(info['output_dims'])}",
+                f"pooling {pooling!r} is not offered by the served model {self._model_name!r}; its poolings: "
+                f"{', '.join(info['output_dims'])}",
                 ErrorCode.INVALID_POOLING, "pooling",
             )  # fmt: skip
         if body.dimensions is not None and body.dimensions != dim:

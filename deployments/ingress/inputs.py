@@ -23,7 +23,13 @@ from PIL import Image, PngImagePlugin
 from deployments.errors import ErrorCode, RequestError
 from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
 from encoder.preprocessing.image_guard import check_structure
-from encoder.preprocessing.qwen import PreprocessConfig, canonical_format, check_image_size, load_image
+from encoder.preprocessing.qwen import (
+    PreprocessConfig,
+    canonical_format,
+    check_image_size,
+    ignore_pillow_bomb_warning,
+    load_image,
+)
 from encoder.preprocessing.vit import num_patches_for, resize_image_for
 
 # Declared media subtypes (data URL headers) -> Pillow format, to answer 415 for image types we do not read.
@@ -40,8 +46,10 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,15}://")
 def harden_pillow(max_image_pixels: int) -> None:
     """Process-wide Pillow limits for the ingress (its own process): the decompression-bomb threshold
     (Pillow raises above twice it; `open_input` refuses anything above it from the header) and the memory
-    that PNG text chunks may decompress to (Pillow's default is 64 MiB per image)."""
+    that PNG text chunks may decompress to (Pillow's default is 64 MiB per image); and no
+    DecompressionBombWarning for the images `open_input` refuses (`ignore_pillow_bomb_warning`)."""
     Image.MAX_IMAGE_PIXELS = max_image_pixels
+    ignore_pillow_bomb_warning()
     PngImagePlugin.MAX_TEXT_MEMORY = min(PngImagePlugin.MAX_TEXT_MEMORY, PNG_TEXT_MEMORY)
 
 

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.errors import ECHO_LIMIT, ErrorCode, RequestError, classify, openai_type, root_cause, shown
 from deployments.llm_outputs import EMBEDDING_DTYPES, to_wire
 from encoder.errors import EncoderError
+from encoder.poolings import POOLINGS
 
 logger = logging.getLogger("ray.serve")
 
@@ -80,11 +81,13 @@ class EmbeddingRequest(BaseModel):
     input: str | Annotated[list[str], Field(min_length=1)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    pooling: Literal["model", "mean", "none", "model-l2", "mean-l2"] | None = Field(
+    pooling: Literal[POOLINGS] | None = Field(
         None,
         description="Extension: 'model' (the model's own image embedding: CLIP / SigLIP), 'mean' (mean of the "
         "output tokens), 'none' (one vector per output token), '-l2' for L2-normalised vectors; default: the "
-        "model's ('model' for CLIP / SigLIP, 'mean' for Qwen).",
+        "model's ('model' for CLIP / SigLIP, 'mean' for Qwen). The schema takes every family's names (another "
+        "name is 422 invalid_schema); one the served model does not offer ('model' for Qwen) is 400 "
+        "invalid_pooling, naming the model's poolings.",
     )
     dimensions: int | None = Field(None, description="Accepted only if equal to the model's output width.")
     embedding_dtype: Literal["float32", "float16", "bfloat16"] = Field(

@@ -49,11 +49,17 @@ _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w
 _LIBRARY = "vision-encoding-service"
 
 
+# the presets an error names as examples (a tiny one, one per family); the rest are in `encoder.PRESETS`
+_SHOWN_PRESETS = ("tiny", "qwen2.5-vl-7b", "qwen3-vl-8b", "clip-vit-l-14")
+
+
 def accepted() -> str:
-    """The sentence every resolution error ends with: what `model=` would have accepted."""
+    """The sentence every resolution error ends with: what `model=` would have accepted (a few presets and a
+    pointer to the rest, not all of them)."""
+    shown = ", ".join(p for p in _SHOWN_PRESETS if p in PRESETS)
     return (
-        f"expected a preset ({', '.join(PRESETS)}), a directory with config.json and *.safetensors, "
-        "or a Hugging Face Hub id org/name[@revision]"
+        f"expected a preset ({shown}, ...: {len(PRESETS)} in `encoder.PRESETS`), a directory with config.json and "
+        "*.safetensors, or a Hugging Face Hub id org/name[@revision]"
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -122,6 +123,17 @@ def _load(img: Image.Image) -> Image.Image:
     except Exception as e:
         raise ImageDecodeError(f"{img.format or img.mode} image is truncated or corrupt: {reason(e)}") from e
     return img
+
+
+def ignore_pillow_bomb_warning() -> None:
+    """For a process of ours that checks every image against its own `max_image_pixels` from the header right
+    after `Image.open` (the ingress, its decode workers, the batch job's processes, the CLI): ignore Pillow's
+    `DecompressionBombWarning`, which `Image.open` prints for an image over `PIL.Image.MAX_IMAGE_PIXELS` before
+    that check runs, so a refused image still logged it. Our limit decides (and refuses with a clear error);
+    Pillow's `DecompressionBombError` (twice its limit) stays. A filter installed once per process (idempotent),
+    not around each open: warning filters are process-wide and `catch_warnings` is not thread-safe. Library
+    callers' processes (`VisionEncoder`) keep their own filters: it is not called there."""
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 def _exif_transpose(img: Image.Image) -> Image.Image:

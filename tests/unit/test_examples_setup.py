@@ -53,3 +53,23 @@ def test_no_example_joins_a_cluster_by_default():
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "init":
                 address = {k.arg: k.value for k in node.keywords}.get("address")
                 assert address is not None, f"{path.name}: ray.init() without an address joins any local cluster"
+
+
+def test_one_application_name_and_the_committed_config_binds_this_machine_only():
+    """Broken: serve_config.yaml named the application `vision` and bound 0.0.0.0, while `serve run
+    deployments:app`, the launcher, the README's handle snippet and handle_pipeline.py use `default`."""
+    import yaml
+
+    from deployments.__main__ import parse_args
+    from deployments.config import DEFAULT_APP_NAME
+
+    assert DEFAULT_APP_NAME == "default"  # the name Serve gives an application run without one (`serve run ...:app`)
+    assert parse_args([]).name == DEFAULT_APP_NAME
+    for name in ("serve_config.yaml", "serve_production.yaml"):
+        config = yaml.safe_load((ROOT / "deployments" / name).read_text())
+        assert [app["name"] for app in config["applications"]] == [DEFAULT_APP_NAME], name
+    assert yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())["http_options"]["host"] == (
+        "127.0.0.1"
+    )
+    assert f'--app", default="{DEFAULT_APP_NAME}"' in (ROOT / "examples" / "handle_pipeline.py").read_text()
+    assert f'serve.get_app_handle("{DEFAULT_APP_NAME}")' in (ROOT / "README.md").read_text()

@@ -168,6 +168,42 @@ def test_a_taken_port_is_refused_even_when_shared_with_so_reuseport():
     check_port_free("127.0.0.1", port)  # free again
 
 
+def _port_left_in_time_wait() -> int:
+    """A port a just-stopped service leaves behind: a client was connected and the server closed first, so the
+    server's side of that connection waits in TIME_WAIT (FIN_WAIT_2 until the client closes) with no listener.
+    The listener binds as Ray Serve's proxy does (`ray.serve._private.http_util`): SO_REUSEADDR and SO_REUSEPORT."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+    served.close()  # the server closes first: its side of the connection keeps the port
+    assert client.recv(1) == b""  # the server's FIN arrived
+    client.close()
+    return port
+
+
+def test_a_port_left_in_time_wait_by_a_stopped_service_is_free():
+    """Broken: the check bound without SO_REUSEADDR, so for ~65 s after a stop with a client connected the
+    launcher refused to start again with "already in use"."""
+    port = _port_left_in_time_wait()
+    with pytest.raises(OSError):  # the state is there: a plain bind still fails
+        with socket.socket() as plain:
+            plain.bind(("127.0.0.1", port))
+    check_port_free("127.0.0.1", port)
+    check_port_free("0.0.0.0", port)
+    with socket.socket() as listener:  # and a real listener on that port is still refused, bound as the proxy binds
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        with pytest.raises(AppConfigError, match=f"port {port} on 127.0.0.1 is already in use"):
+            check_port_free("127.0.0.1", port)
+
+
 @pytest.mark.parametrize("port", ["70000", "-1", "0", "http"])
 def test_a_port_out_of_range_is_a_usage_error(port, capsys):
     """Broken: `--port 70000` reached bind() and died with OverflowError's traceback, exit 1."""

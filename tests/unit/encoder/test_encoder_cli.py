@@ -1,5 +1,5 @@
 """`python -m encoder`: several images, full embeddings in .npy / .parquet / JSON Lines, errors that
-name the file and exit 2."""
+name the file: a bad image is reported and left out (exit 1), bad arguments exit 2."""
 
 from __future__ import annotations
 
@@ -120,18 +120,44 @@ def error_of(capsys, *args) -> str:
     return lines[0]
 
 
-def test_errors_name_the_file_and_exit_2(images, tmp_path, capsys):
+def failures_of(capsys, *args) -> tuple[str, list[str]]:
+    """stdout and the `error:` lines of a run with bad images: exit 1."""
+    assert run(*args) == 1
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert all("object at 0x" not in line for line in lines), err
+    return out, lines
+
+
+def test_bad_images_are_reported_the_good_ones_written_and_exit_1(images, tiny, tmp_path, capsys):
+    """Broken: one bad image made the run write nothing for the good ones (exit 2)."""
     missing = tmp_path / "missing.png"
-    assert error_of(capsys, images[0], missing) == f"error: {missing}: cannot read (No such file or directory)"
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"not an image")
+    truncated = tmp_path / "truncated.jpg"
+    truncated.write_bytes(images[2].read_bytes()[:200])
+    out = tmp_path / "out.npy"
+    _, lines = failures_of(capsys, images[0], missing, corrupt, images[1], truncated, "--output", out)
+    assert len(lines) == 3, lines  # one line per bad file, naming it
+    assert lines[0] == f"error: {missing}: cannot read (No such file or directory)"
+    assert lines[1].startswith(f"error: {corrupt}: cannot identify image data")
+    assert lines[2].startswith(f"error: {truncated}: ")
+    good = [images[0], images[1]]
+    np.testing.assert_allclose(np.load(out), torch.stack(expected(tiny, good, "mean")).numpy(), rtol=1e-5, atol=1e-6)
+    printed, lines = failures_of(capsys, missing, images[2])  # the default print: the good image only
+    assert [json.loads(line)["image"] for line in printed.splitlines()] == [str(images[2])]
+    assert lines == [f"error: {missing}: cannot read (No such file or directory)"]
+
+
+def test_no_good_image_writes_nothing_and_exits_1(images, tmp_path, capsys):
+    missing = tmp_path / "missing.png"
     corrupt = tmp_path / "corrupt.png"
     corrupt.write_bytes(b"not an image")
     out = tmp_path / "out.npy"
-    line = error_of(capsys, images[0], corrupt, "--output", out)
-    assert line.startswith(f"error: {corrupt}: cannot identify image data")
-    assert not out.exists()  # nothing written when an image fails
-    truncated = tmp_path / "truncated.jpg"
-    truncated.write_bytes(images[2].read_bytes()[:200])
-    assert f"error: {truncated}: " in error_of(capsys, truncated, images[0])
+    printed, lines = failures_of(capsys, missing, "--output", out)  # before the model loads
+    assert printed == "" and lines == [f"error: {missing}: cannot read (No such file or directory)"]
+    printed, lines = failures_of(capsys, corrupt, missing, "--output", out)
+    assert printed == "" and len(lines) == 2 and not out.exists()
 
 
 def test_output_errors_exit_2_before_the_model_loads(images, tmp_path, capsys):
@@ -199,6 +225,7 @@ def test_help_names_the_formats_and_hub_ids(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert info.value.code == 0 and ".parquet" in out and "org/name" in out
+    assert "1 some images failed (the others written)" in out
 
 
 @pytest.mark.parametrize("output", [[], ["--output", "-"]], ids=["short", "json-lines"])
@@ -218,3 +245,19 @@ def test_a_reader_that_went_away_is_one_line_not_a_traceback(images, output):
     assert done.returncode == 2, lines
     assert lines[-1] == "error: " + ("-" if output else "stdout") + ": cannot write (Broken pipe)", lines
     assert not any("Traceback" in line or "Exception ignored" in line for line in lines), lines
+
+
+def test_a_refused_bomb_is_one_error_line_and_no_pillow_warning(images, tmp_path, capsys):
+    """Broken: an image over the 100 MP limit was refused and Pillow's DecompressionBombWarning (its own
+    limit is ~89 MP) was printed too."""
+    import warnings
+
+    from tests.images_util import png_bomb_header
+
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(png_bomb_header(12_000, 10_000))  # 120 MP: over both limits, under Pillow's error (~179 MP)
+    with warnings.catch_warnings(record=True) as caught:  # and restores the filter main() adds
+        warnings.simplefilter("always")
+        printed, lines = failures_of(capsys, bomb, images[0])
+    assert lines == [f"error: {bomb}: image is 12000x10000 = 120000000 pixels, over the limit of 100000000"]
+    assert [str(w.message) for w in caught if issubclass(w.category, Image.DecompressionBombWarning)] == []

@@ -242,3 +242,38 @@ def test_a_patch_batch_built_wrong_names_the_field(pixel_values, grid_thw, match
 def test_a_patch_batch_takes_its_grid_as_rows():
     batch = encoder.PatchBatch(torch.zeros(4, 8), [[1, 2, 2]])
     assert batch.grid_thw.dtype == torch.int64 and batch.patch_counts() == [4]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-clip"])
+def test_paths_are_accepted_as_by_the_cli(encoders, name, tmp_path):
+    """Broken: `enc.encode(["img.jpg"])` raised "paths and URLs are not accepted" though the CLI and the batch
+    job take paths. A str or os.PathLike is a path to an image file, alone or in a list with other inputs."""
+    enc = encoders[name]
+    (tmp_path / "a.png").write_bytes(GOOD)
+    jpeg = encoded("JPEG")
+    (tmp_path / "b.jpg").write_bytes(jpeg)
+    want = enc.encode([GOOD, jpeg, GOOD])
+    got = enc.encode([str(tmp_path / "a.png"), tmp_path / "b.jpg", GOOD])
+    assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+    alone = enc.encode(tmp_path / "b.jpg")  # one path, not in a list (a batch of one: equal up to rounding)
+    torch.testing.assert_close(alone[0], want[1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(enc.preprocess([str(tmp_path / "a.png")]).pixel_values, enc.preprocess([GOOD]).pixel_values)
+
+
+def test_a_bad_path_is_named(encoders, tmp_path):
+    enc = encoders["tiny"]
+    missing = tmp_path / "missing.png"
+    with pytest.raises(encoder.InvalidArgumentError) as info:
+        enc.encode([missing])
+    assert str(info.value) == f"{missing}: cannot read (No such file or directory)"
+    (tmp_path / "a.png").write_bytes(GOOD)
+    with pytest.raises(encoder.InvalidArgumentError) as info:
+        enc.encode([tmp_path / "a.png", str(missing)])
+    assert str(info.value) == f"image 1: {missing}: cannot read (No such file or directory)"
+    (tmp_path / "bad.png").write_bytes(b"garbage")
+    with pytest.raises(encoder.ImageDecodeError, match=f"^image 1: {tmp_path / 'bad.png'}: cannot identify image"):
+        enc.encode([tmp_path / "a.png", tmp_path / "bad.png"])
+    with pytest.raises(encoder.InvalidArgumentError, match="URLs and data URLs are not fetched here"):
+        enc.encode(["https://example.com/cat.png"])
+    with pytest.raises(encoder.InvalidArgumentError, match=r"\.\.\. \(4000 characters\): cannot read"):
+        enc.encode(["QUJD" * 1000])  # base64 by mistake: named, cut short

@@ -98,3 +98,31 @@ def test_an_output_directory_that_cannot_be_made_exits_2_with_one_line(kind, inp
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "--output" in err and str(output) in err, err
+
+
+def test_help_states_every_exit_status_and_hub_ids(capsys):
+    """Broken: --help named exit statuses 0 and 2 only, and --model as a preset or directory (no Hub ids)."""
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    for status in ("0 the job is complete", "1 it ended with parts missing", "2 bad arguments", "130 interrupted"):
+        assert status in out, out
+    assert "Hub id org/name[@rev]" in out and "Hugging Face Hub id" in out
+
+
+def test_a_refused_bomb_is_an_error_row_and_no_pillow_warning():
+    """Broken: a decode task refused a bomb (its row's `error`) and Pillow's DecompressionBombWarning went to
+    the job's log too."""
+    import warnings
+
+    from PIL import Image
+
+    from tests.images_util import png_bomb_header
+
+    table = pa.table({"id": [0], "image": [png_bomb_header(12_000, 10_000)]})  # 120 MP
+    with warnings.catch_warnings(record=True) as caught:  # and restores the filter decode_batch adds
+        warnings.simplefilter("always")
+        out = decode_batch(table, image_column="image", pp=PP, path_root=None)
+    assert "over the limit of 100000000" in out.column("error")[0].as_py()
+    assert [str(w.message) for w in caught if issubclass(w.category, Image.DecompressionBombWarning)] == []

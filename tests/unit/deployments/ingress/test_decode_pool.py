@@ -220,3 +220,25 @@ def test_a_worker_whose_pool_is_gone_exits_quietly(capfd, unread):
     proc.join(60)
     assert proc.exitcode == 0, proc.exitcode
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_worker_prints_no_pillow_bomb_warning(capfd):
+    """Broken: a worker (a fresh forkserver / spawn process, Pillow's limit at its default ~89 MP) printed
+    Pillow's DecompressionBombWarning into the service's log for an image over it; the pool's
+    `cfg.max_image_pixels` (100 MP here) decides, with its own error."""
+    from tests.images_util import png_bomb_header
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_serve, args=(child, decode_resized, DEFAULT_CONFIG), daemon=True)
+    proc.start()
+    child.close()
+    assert parent.poll(60), "the worker never said it was ready"
+    assert parent.recv() == ("ready",)
+    parent.send_bytes(png_bomb_header(10_000, 9_500))  # 95 MP: over Pillow's limit, under ours; no pixel data
+    assert parent.poll(60)
+    kind, error, message = parent.recv()
+    assert (kind, error) == ("error", ImageDecodeError) and "truncated" in message, message
+    parent.close()
+    proc.join(60)
+    assert "DecompressionBombWarning" not in capfd.readouterr().err

@@ -108,3 +108,30 @@ def test_a_small_file_of_many_pixels_is_decoded_in_the_pool_not_on_the_event_loo
     assert fake.calls == []  # decoded inline
     asyncio.run(asyncio.wait_for(run(flat), 60))
     assert fake.calls == [(flat, TIMEOUT_S)]
+
+
+def test_a_refused_bomb_logs_no_pillow_warning(monkeypatch):
+    """Broken: the ingress refused an image over `max_image_pixels` (413) and its log still had Pillow's
+    DecompressionBombWarning, printed by Image.open before the header check (`harden_pillow` sets Pillow's
+    limit to ours: the warning fired for every refused image up to twice the limit)."""
+    import warnings
+
+    from PIL import PngImagePlugin
+
+    from deployments.ingress.inputs import harden_pillow, open_input
+    from encoder.errors import ImageTooLargeError
+    from encoder.preprocessing.qwen import load_image
+    from tests.images_util import png_bomb_header
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # harden_pillow's are process-wide
+    monkeypatch.setattr(PngImagePlugin, "MAX_TEXT_MEMORY", PngImagePlugin.MAX_TEXT_MEMORY)
+    pp = PreprocessConfig(max_image_pixels=1_000_000)
+    bomb = png_bomb_header(1_200, 1_000)  # 1.2 MP: over the limit, under twice it (Pillow's error)
+    with warnings.catch_warnings(record=True) as caught:  # and restores the filters harden_pillow adds
+        warnings.simplefilter("always")
+        harden_pillow(pp.max_image_pixels)
+        with pytest.raises(ImageTooLargeError, match="over the limit of 1000000"):
+            open_input(bomb, pp)
+        with pytest.raises(ImageTooLargeError, match="over the limit of 1000000"):
+            load_image(bomb, pp)  # the decode the ingress runs after it
+    assert [str(w.message) for w in caught if issubclass(w.category, Image.DecompressionBombWarning)] == []

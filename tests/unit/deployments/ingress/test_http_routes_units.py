@@ -13,9 +13,11 @@ from starlette.requests import Request
 from deployments.config import AppArgs
 from deployments.ingress.http_routes import HttpRoutes
 from deployments.ingress.limits import Admission
+from deployments.ingress.openai_api import EmbeddingRequest
 from deployments.ingress.security import ApiKeyAuth
 from deployments.llm_outputs import to_wire
 from deployments.metrics import IngressTelemetry
+from encoder.poolings import POOLINGS
 
 DIMS = {"mean": 4, "none": 4}
 
@@ -92,6 +94,26 @@ def test_pooling_and_dimensions_are_checked_against_the_model():
     for dim in (3, 5, 0):
         error_of(*post(r, {"input": "a", "dimensions": dim}), 400, "invalid_dimensions", "dimensions")
     error_of(*post(r, {"input": "a", "pooling": "model"}), 400, "invalid_pooling", "pooling")
+
+
+def test_pooling_names_of_any_family_pass_the_schema_and_the_models_own_are_served():
+    """The rule: the schema takes every family's pooling names (`encoder.poolings.POOLINGS`); a name of no family
+    is 422 invalid_schema; a name the served model does not offer ('model' for Qwen) is 400 invalid_pooling,
+    naming the pooling, the model and its poolings. Broken: that message said neither the model nor 'poolings'."""
+    r = routes(served_model_name="tiny-qwen")
+    assert set(EmbeddingRequest.model_fields["pooling"].annotation.__args__[0].__args__) == set(POOLINGS)
+    for pooling in POOLINGS:
+        status, body = post(r, {"input": "a", "pooling": pooling})
+        if pooling in DIMS:
+            assert status == 200, body
+            continue
+        error_of(status, body, 400, "invalid_pooling", "pooling")
+        assert body["error"]["message"] == (
+            f"pooling {pooling!r} is not offered by the served model 'tiny-qwen'; its poolings: mean, none"
+        )
+    status, body = post(r, {"input": "a", "pooling": "max"})
+    error_of(status, body, 422, "invalid_schema", "pooling")
+    assert "pooling" in body["error"]["message"] and "'model-l2'" in body["error"]["message"]
 
 
 def test_an_unknown_field_is_a_422_naming_it():

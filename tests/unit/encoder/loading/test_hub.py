@@ -150,6 +150,18 @@ def test_unknown_name_and_empty_model():
         encoder.resolve_model("")
 
 
+@pytest.mark.parametrize("given", ["nope", "/nonexistent/dir", "org/name/extra"])
+def test_errors_point_to_the_presets_instead_of_listing_them_all(given):
+    """Broken: every resolution error appended all 21 preset names. Now a few, and where the rest are."""
+    with pytest.raises(ConfigError) as info:
+        encoder.resolve_model(given)
+    message = one_line_error(info)
+    assert f"expected a preset (tiny, qwen2.5-vl-7b, qwen3-vl-8b, clip-vit-l-14, ...: {len(encoder.PRESETS)} in " \
+        "`encoder.PRESETS`)" in message, message  # fmt: skip
+    assert sum(name in message.split("(", 1)[1] for name in encoder.PRESETS if name != "tiny") <= 4, message
+    assert len(message) < 400, message
+
+
 def test_a_file_is_not_a_checkpoint(checkpoint):
     with pytest.raises(ConfigError, match="is a file, not a checkpoint directory"):
         encoder.resolve_model(str(checkpoint / "config.json"))
