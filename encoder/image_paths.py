@@ -2,7 +2,8 @@
 
 A `str` or `os.PathLike` given to `VisionEncoder.preprocess` / `encode` is a path to an image file (as on the
 command line and in a batch job's path column). URLs and data URLs are not fetched: that is the service's
-job (`deployments.ingress.inputs`), and `load_image` itself takes bytes, PIL images and arrays only. No torch here: the CLI reads its files before the model (and torch) load.
+job (`deployments.ingress.inputs`), and `load_image` itself takes bytes, PIL images and arrays only.
+No torch here: the CLI reads its files before the model (and torch) load.
 """
 
 from __future__ import annotations
