@@ -16,7 +16,10 @@ from PIL import Image
 import encoder
 from deployments.batch.__main__ import main as cli_main
 
-REL_TOL = 1e-5
+# float32 on CPU: the batch job encodes images in batches of its own make-up and thread count, the reference one
+# by one, so BLAS sums in another order (seen up to 4e-5 of the largest value on a 2-core machine); a wrong row
+# (another image, a lost row, bad preprocessing) differs by O(1).
+REL_TOL = 1e-4
 
 
 def random_picture(seed: int) -> Image.Image:

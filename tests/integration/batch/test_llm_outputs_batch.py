@@ -24,7 +24,7 @@ MODELS = [
     "tiny-clip",
     pytest.param(DEEPSTACK_MODEL, marks=pytest.mark.skipif(DEEPSTACK_MODEL not in PRESETS, reason="no preset yet")),
 ]
-REL_TOL = 1e-5
+REL_TOL = 1e-4  # as tests/batch_data.py: batched vs one-by-one float32 sums; wrong rows differ by O(1)
 
 
 def assert_close(got, want) -> None:
