@@ -87,7 +87,7 @@ def encoders():
 def entry_points(encoders):
     points = {"preprocess": lambda x: preprocess(x, PreprocessConfig())}
     clip = encoders["tiny-clip"].preprocess_config
-    points["preprocess_vit"] = lambda x: preprocess(x, clip)
+    points["preprocess(clip)"] = lambda x: preprocess(x, clip)
     for name, enc in encoders.items():
         points[f"{name}.preprocess"] = enc.preprocess
         points[f"{name}.encode"] = enc.encode
