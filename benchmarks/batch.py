@@ -40,8 +40,9 @@ import encoder
 from deployments.batch import JobConfig, run_job
 from deployments.batch.model_facts import plan_for_actors, preprocess_config_for, rows_per_batch
 from encoder.patchify import patchify_many
-from encoder.preprocessing.qwen import load_image, num_patches, resize_image
-from workspace import GraphEncoder
+from encoder.preprocessing.images import load_image  # noqa: E402
+from encoder.preprocessing.qwen import num_patches, resize_image  # noqa: E402
+from workspace import GraphEncoder  # noqa: E402
 
 # ------------------------------------------------------------------------------------- data
 

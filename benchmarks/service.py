@@ -101,7 +101,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def images(side: int, n: int, pp, seed: int = 0) -> list[np.ndarray]:
-    from encoder.preprocessing.qwen import load_image, resize_image
+    from encoder.preprocessing.images import load_image
+    from encoder.preprocessing.qwen import resize_image
 
     rng = np.random.default_rng(seed)
     return [resize_image(load_image(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)), pp) for _ in range(n)]

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from encoder.loading.presets import PRESETS
-from encoder.preprocessing.qwen import DEFAULT_FORMATS
+from encoder.preprocessing.images import DEFAULT_FORMATS
 from workspace.buckets import BucketError, BucketTable
 from workspace.tables import DEVICE_DEFAULTS
 

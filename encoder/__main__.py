@@ -23,7 +23,7 @@ from encoder.embedding_output import STDOUT, ImageEmbedding, check_output, write
 from encoder.errors import EncoderError, InvalidArgumentError, RandomWeightsWarning, reason
 from encoder.loading.hub import resolve_model
 from encoder.poolings import POOLINGS
-from encoder.preprocessing.qwen import ignore_pillow_bomb_warning
+from encoder.preprocessing.images import ignore_pillow_bomb_warning
 
 if TYPE_CHECKING:
     from encoder import PatchBatch, VisionEncoder

@@ -32,10 +32,10 @@ from encoder.models.tower import TowerOutput
 from encoder.models.vit import VitTower, build_vit_tower
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
-from encoder.patchify import preprocess, preprocess_vit
+from encoder.patchify import preprocess
 from encoder.poolings import check_pooling
 from encoder.preprocessing.qwen import PreprocessConfig
-from encoder.preprocessing.vit import VitPreprocessConfig, check_matches_model, num_patches_for
+from encoder.preprocessing.vit import VitPreprocessConfig, check_matches_model
 
 
 def is_fixed_resolution(config: VisionConfig) -> bool:
@@ -168,13 +168,11 @@ class VisionEncoder:
         return preprocess_paths(images, self._preprocess)
 
     def _preprocess(self, images) -> PatchBatch:
-        if isinstance(self.preprocess_config, VitPreprocessConfig):
-            return preprocess_vit(images, self.preprocess_config)
         return preprocess(images, self.preprocess_config)
 
     def num_patches(self, height: int, width: int) -> int:
         """Patches of an image of `height` x `width` pixels once preprocessed (resized, cropped) for this model."""
-        return num_patches_for(height, width, self.preprocess_config)
+        return self.preprocess_config.num_patches(height, width)
 
     def output_counts(self, grid_thw: torch.Tensor) -> list[int]:
         """Output tokens per image: t*h*w / merge_unit."""

@@ -14,8 +14,9 @@ import torch
 
 from encoder.errors import ImageDecodeError, InvalidImageError
 from encoder.patch_batch import PatchBatch
-from encoder.preprocessing.qwen import DEFAULT_CONFIG, PreprocessConfig, load_image, resize_image
-from encoder.preprocessing.vit import VitPreprocessConfig, resize_crop
+from encoder.preprocessing.config import ProcessorConfig
+from encoder.preprocessing.images import load_image
+from encoder.preprocessing.qwen import DEFAULT_CONFIG
 
 
 @lru_cache(maxsize=32)
@@ -31,7 +32,7 @@ def _normalise_lut(mean: tuple[float, ...], std: tuple[float, ...], device: torc
     return ((scaled[None, :] - m) / s).reshape(-1).to(device)
 
 
-def patchify(pixels: torch.Tensor, cfg: PreprocessConfig = DEFAULT_CONFIG) -> torch.Tensor:
+def patchify(pixels: torch.Tensor, cfg: ProcessorConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """uint8 [H, W, 3] (sides multiples of P*m) -> float32 [(H/P)*(W/P), 3*T*P*P] on the same device.
 
     Rows are ordered by merge block (row-major), then within a block; columns are (C, T, P, P).
@@ -51,7 +52,7 @@ def patchify(pixels: torch.Tensor, cfg: PreprocessConfig = DEFAULT_CONFIG) -> to
     return frames.reshape(gh * gw, cfg.patch_dim)
 
 
-def _check_pixels(pixels: torch.Tensor, cfg: PreprocessConfig) -> None:
+def _check_pixels(pixels: torch.Tensor, cfg: ProcessorConfig) -> None:
     if not isinstance(pixels, torch.Tensor) or pixels.dtype != torch.uint8:
         got = getattr(pixels, "dtype", type(pixels).__name__)
         raise InvalidImageError(f"patchify expects a uint8 tensor, got {got}")
@@ -62,7 +63,7 @@ def _check_pixels(pixels: torch.Tensor, cfg: PreprocessConfig) -> None:
         raise InvalidImageError(f"patchify needs non-zero sides, multiples of {cfg.factor}; got {h}x{w}")
 
 
-def patchify_many(pixels: list[torch.Tensor], cfg: PreprocessConfig = DEFAULT_CONFIG) -> PatchBatch:
+def patchify_many(pixels: list[torch.Tensor], cfg: ProcessorConfig = DEFAULT_CONFIG) -> PatchBatch:
     """Patchify several uint8 images and concatenate; grid_thw is int64 on the CPU (host metadata)."""
     patches = [patchify(x, cfg) for x in pixels]
     sizes = [(1, x.shape[0] // cfg.patch_size, x.shape[1] // cfg.patch_size) for x in pixels]
@@ -81,7 +82,7 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def stack_patchify(arrays: list[np.ndarray], cfg: PreprocessConfig, device: torch.device) -> PatchBatch:
+def stack_patchify(arrays: list[np.ndarray], cfg: ProcessorConfig, device: torch.device) -> PatchBatch:
     """Upload and patchify on `device`; consecutive images of equal width go through one `patchify`.
 
     Stacking images vertically keeps each image's merge blocks contiguous and in order (its block rows
@@ -98,24 +99,19 @@ def stack_patchify(arrays: list[np.ndarray], cfg: PreprocessConfig, device: torc
     return PatchBatch(parts[0] if len(parts) == 1 else torch.cat(parts), grid)
 
 
-def preprocess(images: Any, cfg: PreprocessConfig = DEFAULT_CONFIG, resize=None) -> PatchBatch:
+def preprocess(images: Any, cfg: ProcessorConfig = DEFAULT_CONFIG) -> PatchBatch:
     """One input or a list of inputs (any kind `load_image` accepts) -> PatchBatch, equal to HF's output.
 
-    `resize(img, cfg) -> uint8 HWC` is the family's resize rule (default: Qwen's `resize_image`).
+    The family's resize rule is the config's (`cfg.resize`: Qwen's smart resize, CLIP / SigLIP's resize and
+    crop, whose grid_thw rows are (1, H/P, W/P)).
     """
-    resize = resize or resize_image
     items = list(images) if isinstance(images, list | tuple) else [images]
     arrays = []
     for i, x in enumerate(items):
         try:
-            arrays.append(torch.from_numpy(resize(load_image(x, cfg), cfg)))
+            arrays.append(torch.from_numpy(cfg.resize(load_image(x, cfg))))
         except (ImageDecodeError, InvalidImageError) as e:
             if len(items) == 1:
                 raise
             raise type(e)(f"image {i}: {e}") from e
     return patchify_many(arrays, cfg)
-
-
-def preprocess_vit(images: Any, cfg: VitPreprocessConfig) -> PatchBatch:
-    """CLIP / SigLIP: one input or a list (any kind `load_image` accepts) -> PatchBatch; grid_thw rows (1, H/P, W/P)."""
-    return preprocess(images, cfg, resize=resize_crop)

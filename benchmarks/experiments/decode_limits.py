@@ -27,7 +27,8 @@ from PIL import Image
 from deployments.ingress.decode_pool import DecodePool, decode_resized, decode_rgb
 from encoder.errors import ImageTooComplexError
 from encoder.preprocessing.image_guard import check_structure
-from encoder.preprocessing.qwen import DEFAULT_CONFIG, load_image
+from encoder.preprocessing.images import load_image
+from encoder.preprocessing.qwen import DEFAULT_CONFIG
 from tests.jpeg_bombs import scan_bomb
 
 

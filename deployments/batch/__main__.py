@@ -22,7 +22,7 @@ from deployments.batch.job import run_job
 from deployments.batch.options import JobConfig
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
-from encoder.preprocessing.qwen import ignore_pillow_bomb_warning
+from encoder.preprocessing.images import ignore_pillow_bomb_warning
 from workspace.buckets import BucketError
 
 

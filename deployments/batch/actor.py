@@ -44,7 +44,7 @@ from encoder.attention import graph_token_cap
 from encoder.errors import InvalidArgumentError
 from encoder.patch_batch import PatchBatch
 from encoder.patchify import patchify
-from encoder.preprocessing.qwen import PreprocessConfig
+from encoder.preprocessing.config import ProcessorConfig
 from workspace.buckets import BucketKey, BucketTable
 from workspace.graph_encoder import GraphEncoder
 from workspace.tables import process_plan, shape_of_encoder
@@ -117,7 +117,7 @@ class EncoderActor:
         buckets: Any = None,
         dtype: str | None = None,
         attention: str | None = None,
-        preprocess_config: PreprocessConfig | None = None,
+        preprocess_config: ProcessorConfig | None = None,
         expected_table: BucketTable | None = None,
     ):
         start = time.perf_counter()

@@ -1,8 +1,8 @@
 """The decode stage of a batch job (Ray tasks, CPU): each row's image to uint8 pixels at the model's size.
 
 A row's image (encoded bytes, a local file path, or a Hugging Face `datasets` image struct) is decoded,
-checked and resized with `encoder.preprocessing.qwen` (`load_image`, then the model's resize: Qwen's smart resize,
-or the CLIP / SigLIP resize and crop through `encoder.preprocessing.vit`). The stage ships compact uint8
+checked and resized with `encoder.preprocessing` (`load_image`, then the model's resize, `pp.resize`: Qwen's smart
+resize, or the CLIP / SigLIP resize and crop). The stage ships compact uint8
 pixels (a quarter of the bytes of float32 patches) plus the patch count; a bad image becomes an `error`
 string on its row, never an exception.
 """
@@ -20,8 +20,8 @@ import encoder
 from deployments.batch.columns import ERROR, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
 from deployments.batch.image_files import DEFAULT_MAX_IMAGE_BYTES, read_image_file, resolve
 from encoder.errors import InvalidArgumentError
-from encoder.preprocessing.qwen import PreprocessConfig, ignore_pillow_bomb_warning, load_image
-from encoder.preprocessing.vit import num_patches_for, resize_image_for
+from encoder.preprocessing.config import ProcessorConfig
+from encoder.preprocessing.images import ignore_pillow_bomb_warning, load_image
 
 
 def image_column_kind(typ: pa.DataType) -> str:
@@ -95,7 +95,7 @@ def decode_batch(
     table: pa.Table,
     *,
     image_column: str,
-    pp: PreprocessConfig,
+    pp: ProcessorConfig,
     path_root: str | None,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
 ) -> pa.Table:
@@ -111,7 +111,7 @@ def decode_batch(
     heights, widths, patches, errors = [], [], [], []
     for value in values:
         try:
-            array = resize_image_for(load_image(_image_bytes(value, kind, path_root, max_image_bytes), pp), pp)
+            array = pp.resize(load_image(_image_bytes(value, kind, path_root, max_image_bytes), pp))
         except Exception as exc:  # a bad row must never fail the job (Pillow raises many types)
             pixels.append(None)
             heights.append(0)
@@ -133,18 +133,18 @@ def decode_batch(
     return out.append_column(ERROR, pa.array(errors, type=pa.string()))
 
 
-def header_patches(value: Any, kind: str, pp: PreprocessConfig, path_root: str | None) -> int | None:
+def header_patches(value: Any, kind: str, pp: ProcessorConfig, path_root: str | None) -> int | None:
     """Patch count from the image header only (no pixel decode); None when unreadable."""
 
     try:
         with Image.open(io.BytesIO(_image_bytes(value, kind, path_root))) as img:
             width, height = img.size
-        return num_patches_for(height, width, pp)
+        return pp.num_patches(height, width)
     except Exception:
         return None
 
 
-def typical_patches_of(values: list, kind: str, pp: PreprocessConfig, path_root: str | None, default=256) -> int:
+def typical_patches_of(values: list, kind: str, pp: ProcessorConfig, path_root: str | None, default=256) -> int:
     """Median patch count of a sample of image-column values (header reads only)."""
     counts = [c for c in (header_patches(v, kind, pp, path_root) for v in values) if c]
     return int(statistics.median(counts)) if counts else default

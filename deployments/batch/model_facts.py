@@ -13,7 +13,7 @@ from typing import Any
 
 from encoder.config import VisionConfig
 from encoder.loading.hub import ResolvedModel, resolve_model
-from encoder.preprocessing.qwen import PreprocessConfig, num_patches
+from encoder.preprocessing.config import ProcessorConfig
 from workspace.tables import BucketPlan, TowerShape, process_plan
 
 # `encoder.api` and `encoder.attention` (torch, ~3 s of CPU to import) are imported in the functions that
@@ -32,7 +32,7 @@ def config_for(model: str) -> VisionConfig:
     return resolved(model).config
 
 
-def preprocess_config_for(model: str) -> PreprocessConfig:
+def preprocess_config_for(model: str) -> ProcessorConfig:
     """The preprocessing `encoder.load(model)` uses, without building the model (cheap, driver side).
 
     A `VitPreprocessConfig` for CLIP / SigLIP models (same attributes where the pipeline reads them)."""
@@ -62,7 +62,7 @@ def shape_of_config(config: VisionConfig, pp) -> TowerShape:
     from encoder.api import is_fixed_resolution
 
     per = config.num_patches if is_fixed_resolution(config) else None
-    return TowerShape(config.merge_unit, per if per is not None else num_patches(224, 224, pp), per)
+    return TowerShape(config.merge_unit, per if per is not None else pp.num_patches(224, 224), per)
 
 
 def actor_device(gpus: int) -> str:

@@ -2,7 +2,7 @@
 
 A decode running in a thread cannot be stopped: a scan bomb that passes the structural limits keeps its
 thread (and the GIL-free C decoder keeps a core) busy for as long as it takes. `DecodePool` runs
-`encoder.preprocessing.qwen.load_image` in N worker processes instead. A worker that overruns the deadline is
+`encoder.preprocessing.images.load_image` in N worker processes instead. A worker that overruns the deadline is
 killed (SIGTERM, then SIGKILL) and replaced, and the caller gets `DecodeTimeoutError` at the deadline; a
 worker that dies while decoding (segfault, `os._exit`, OOM kill) gives `DecodeWorkerError` and is
 replaced the same way. Errors the decode raises for the image (`EncoderError` subclasses) arrive as
@@ -44,21 +44,22 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from encoder.errors import DecodeTimeoutError, DecodeWorkerError, EncoderError, reason
-from encoder.preprocessing.qwen import DEFAULT_CONFIG, PreprocessConfig, ignore_pillow_bomb_warning, load_image
-from encoder.preprocessing.vit import resize_image_for
+from encoder.preprocessing.config import ProcessorConfig
+from encoder.preprocessing.images import ignore_pillow_bomb_warning, load_image
+from encoder.preprocessing.qwen import DEFAULT_CONFIG
 
 log = logging.getLogger(__name__)
 _SLICE_S = 0.05  # how often a waiting call looks at its cancel flag and at the pool's state
 
 
-def decode_rgb(data: bytes, cfg: PreprocessConfig) -> np.ndarray:
+def decode_rgb(data: bytes, cfg: ProcessorConfig) -> np.ndarray:
     """The pool's default decode: the project's own bytes path, as uint8 [H, W, 3] RGB."""
     return np.asarray(load_image(data, cfg))
 
 
-def decode_resized(data: bytes, cfg: PreprocessConfig) -> np.ndarray:
-    """Decode and resize to the model's input (`resize_image_for`, as the ingress): less to send back."""
-    return resize_image_for(load_image(data, cfg), cfg)
+def decode_resized(data: bytes, cfg: ProcessorConfig) -> np.ndarray:
+    """Decode and resize to the model's input (`cfg.resize`, as the ingress): less to send back."""
+    return cfg.resize(load_image(data, cfg))
 
 
 def _serve(conn, decode_fn: Callable, cfg) -> None:
@@ -129,7 +130,7 @@ class _Worker:
 
 class DecodePool:
     """`workers` decode processes; `decode_fn(data, cfg) -> uint8 HWC array` (module-level, picklable)
-    runs in them, by default `decode_rgb` (`encoder.preprocessing.qwen.load_image` with `cfg`).
+    runs in them, by default `decode_rgb` (`encoder.preprocessing.images.load_image` with `cfg`).
 
     Like every spawn / forkserver child, a worker first imports the caller's main script as __mp_main__
     (not for `python -m pkg`): under Ray that is Ray's worker script, which imports ray, so a Ray actor
@@ -140,7 +141,7 @@ class DecodePool:
         self,
         workers: int = 2,
         *,
-        cfg: PreprocessConfig = DEFAULT_CONFIG,
+        cfg: ProcessorConfig = DEFAULT_CONFIG,
         decode_fn: Callable = decode_rgb,
         context: str = "forkserver",
         preload: Sequence[str] = ("encoder.preprocessing.qwen",),

@@ -40,7 +40,7 @@ from deployments.ingress.limits import check_request_patches
 from deployments.ingress.security import UrlFetcher
 from deployments.metrics import RecentTimings
 from encoder.errors import EncoderError
-from encoder.preprocessing.qwen import PreprocessConfig
+from encoder.preprocessing.config import ProcessorConfig
 
 # A single input this small (encoded bytes / base64 text, or uint8 array bytes) is opened on the event loop,
 # and decoded there too when it has at most _INLINE_DECODE_PIXELS pixels (see the module docstring).
@@ -72,7 +72,7 @@ class IngressDecoder:
         self._procs_lock = asyncio.Lock()
         self._warming: asyncio.Task | None = None
 
-    async def _decode_pool(self, pp: PreprocessConfig) -> DecodePool:
+    async def _decode_pool(self, pp: ProcessorConfig) -> DecodePool:
         """The decode processes (started once, off the event loop: a fork server imports the preprocessing
         first). Ray's worker script is what the children import as __main__, so ray is preloaded with it."""
         if self._procs is None:
@@ -85,7 +85,7 @@ class IngressDecoder:
                     self._procs = await asyncio.get_running_loop().run_in_executor(self._pool, start)
         return self._procs
 
-    def warm(self, pp: PreprocessConfig) -> None:
+    def warm(self, pp: ProcessorConfig) -> None:
         """Start the decode processes in the background if they are not (the first request, or /health
         before any: a load balancer's probe warms them before traffic comes)."""
         if self._procs is None and self._warming is None:
@@ -121,7 +121,7 @@ class IngressDecoder:
             images[i] = data
         return images
 
-    async def _finish(self, i: int, o: Opened, pp: PreprocessConfig, label: str) -> np.ndarray:
+    async def _finish(self, i: int, o: Opened, pp: ProcessorConfig, label: str) -> np.ndarray:
         """Decode + resize one opened input: encoded bytes in a decode process, decoded inputs in a thread."""
         try:
             if o.data is not None:
@@ -134,7 +134,7 @@ class IngressDecoder:
     async def prepare(
         self,
         images: list,
-        pp: PreprocessConfig,
+        pp: ProcessorConfig,
         label: str,
         max_patches: int | None = None,
         reserve: Callable[[int], None] | None = None,

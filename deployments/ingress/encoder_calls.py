@@ -47,7 +47,7 @@ from deployments.ingress.inputs import ingress_preprocess_config
 from deployments.llm_outputs import wire_itemsize
 from deployments.metrics import IngressTelemetry
 from deployments.ray_compat import by_reference, call_as_new_request
-from encoder.preprocessing.vit import preprocess_config_from_dump
+from encoder.preprocessing.families import preprocess_config_from_dump
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")

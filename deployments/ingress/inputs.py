@@ -3,7 +3,7 @@
 `open_input` turns one input (a data URL or base64 string, encoded bytes, a PIL image, a uint8 array) into
 an `Opened`: a lazily opened image after the checks that need only its header (encoded size, format
 allowlist, pixel count) and its patch count. `finish_input` decodes and resizes it with
-`encoder.preprocessing.qwen` (the same `load_image` and resize the model's own preprocessing runs). Between the
+`encoder.preprocessing` (the same `load_image` and resize the model's own preprocessing runs). Between the
 two the ingress checks the request's patch total, so nothing of an over-limit request is decoded.
 `harden_pillow` sets Pillow's own process-wide limits for the ingress process.
 """
@@ -22,15 +22,14 @@ from PIL import Image, PngImagePlugin
 
 from deployments.errors import ErrorCode, RequestError
 from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
+from encoder.preprocessing.config import ProcessorConfig
 from encoder.preprocessing.image_guard import check_structure
-from encoder.preprocessing.qwen import (
-    PreprocessConfig,
+from encoder.preprocessing.images import (
     canonical_format,
     check_image_size,
     ignore_pillow_bomb_warning,
     load_image,
 )
-from encoder.preprocessing.vit import num_patches_for, resize_image_for
 
 # Declared media subtypes (data URL headers) -> Pillow format, to answer 415 for image types we do not read.
 _MEDIA_FORMATS = {
@@ -53,7 +52,7 @@ def harden_pillow(max_image_pixels: int) -> None:
     PngImagePlugin.MAX_TEXT_MEMORY = min(PngImagePlugin.MAX_TEXT_MEMORY, PNG_TEXT_MEMORY)
 
 
-def ingress_preprocess_config(model_pp: PreprocessConfig, max_image_pixels: int, formats) -> PreprocessConfig:
+def ingress_preprocess_config(model_pp: ProcessorConfig, max_image_pixels: int, formats) -> ProcessorConfig:
     """The model's preprocessing with the application's decode limits (pixels, formats) wired in."""
     return type(model_pp).model_validate(
         model_pp.model_dump() | {"max_image_pixels": max_image_pixels, "allowed_formats": frozenset(formats)}
@@ -129,7 +128,7 @@ class Opened:
     data: bytes | None = None  # the encoded bytes of an encoded input (what a decode process is sent)
 
 
-def _allowed(pp: PreprocessConfig) -> list[str]:
+def _allowed(pp: ProcessorConfig) -> list[str]:
     """Plugin names for `Image.open(formats=...)` (the JPEG plugin also opens MPO files)."""
     Image.init()
     return sorted(f for f in pp.allowed_formats if f in Image.OPEN)
@@ -144,14 +143,14 @@ def _identify(data: bytes) -> str | None:
         return None
 
 
-def _unsupported(fmt: str, pp: PreprocessConfig) -> RequestError:
+def _unsupported(fmt: str, pp: ProcessorConfig) -> RequestError:
     allowed = ", ".join(sorted(pp.allowed_formats))
     return RequestError(
         f"image format {fmt} is not supported (supported: {allowed})", ErrorCode.UNSUPPORTED_IMAGE_FORMAT
     )
 
 
-def open_image_bytes(data: bytes, pp: PreprocessConfig, media: str | None = None) -> Image.Image:
+def open_image_bytes(data: bytes, pp: ProcessorConfig, media: str | None = None) -> Image.Image:
     """Parse the header of encoded image bytes with the allowed plugins only; check format and size.
 
     Raises ImageDecodeError (400) for empty or unidentifiable bytes, RequestError 415 for a format outside
@@ -181,7 +180,7 @@ def open_image_bytes(data: bytes, pp: PreprocessConfig, media: str | None = None
     return img
 
 
-def open_input(x: Any, pp: PreprocessConfig, max_image_bytes: int | None = None) -> Opened:
+def open_input(x: Any, pp: ProcessorConfig, max_image_bytes: int | None = None) -> Opened:
     """One input (data URL / base64 str, encoded bytes, PIL image, uint8 array) -> `Opened`, no pixels decoded.
 
     Encoded images: byte limit, format allowlist, pixel limit (header), aspect ratio and patch count.
@@ -195,22 +194,22 @@ def open_input(x: Any, pp: PreprocessConfig, max_image_bytes: int | None = None)
         if max_image_bytes is not None and len(data) > max_image_bytes:
             raise image_too_large(len(data), max_image_bytes)
         img = open_image_bytes(data, pp, media)
-        return Opened(img, num_patches_for(img.height, img.width, pp), data)
+        return Opened(img, pp.num_patches(img.height, img.width), data)
     if isinstance(x, Image.Image):
         check_image_size(x.width, x.height, pp)
-        return Opened(x, num_patches_for(x.height, x.width, pp))
+        return Opened(x, pp.num_patches(x.height, x.width))
     if isinstance(x, np.ndarray):
         if x.ndim in (2, 3) and x.dtype == np.uint8:
             check_image_size(x.shape[1], x.shape[0], pp)
-            return Opened(x, num_patches_for(x.shape[0], x.shape[1], pp))
+            return Opened(x, pp.num_patches(x.shape[0], x.shape[1]))
         load_image(x, pp)  # 0-d, 1-D, object or float arrays: the precise InvalidImageError, now
         raise InvalidImageError(f"image arrays must be uint8 HxW or HxWxC, got {x.dtype} of shape {x.shape}")
     return Opened(x, 0)  # load_image raises the precise error
 
 
-def finish_input(opened: Opened, pp: PreprocessConfig) -> np.ndarray:
+def finish_input(opened: Opened, pp: ProcessorConfig) -> np.ndarray:
     """Decode (the only full decode) and resize: uint8 [H, W, 3] at the smart_resize size."""
-    return resize_image_for(load_image(opened.image, pp), pp)
+    return pp.resize(load_image(opened.image, pp))
 
 
 def source_pixels(o: Opened) -> int:

@@ -19,7 +19,7 @@ import torch
 from deployments.metrics import ReplicaMetrics
 from encoder.errors import InvalidArgumentError
 from encoder.patchify import stack_patchify
-from encoder.preprocessing.qwen import PreprocessConfig
+from encoder.preprocessing.config import ProcessorConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -30,7 +30,7 @@ def sticky_device_error(e: BaseException) -> bool:
     return "CUDA error" in text or "CUBLAS" in text or "illegal memory access" in text
 
 
-def probe_pixels(pp: PreprocessConfig) -> list[np.ndarray]:
+def probe_pixels(pp: ProcessorConfig) -> list[np.ndarray]:
     """One small deterministic picture at the model's smallest size (a ramp, not a flat colour)."""
     side = pp.factor * max(1, -(-int(pp.min_pixels**0.5) // pp.factor))
     ramp = (np.arange(side * side * 3, dtype=np.int64) * 37 % 251).astype(np.uint8)

@@ -30,7 +30,7 @@ from deployments.metrics import RecentTimings, ReplicaMetrics
 from deployments.replica.health import sticky_device_error
 from encoder.errors import EncoderError, InvalidArgumentError, InvalidImageError
 from encoder.patchify import stack_patchify
-from encoder.preprocessing.qwen import PreprocessConfig
+from encoder.preprocessing.config import ProcessorConfig
 from workspace import GraphEncoder
 from workspace.buckets import BucketTable
 from workspace.tables import BucketPlan
@@ -77,7 +77,7 @@ def _expired_error(work: Work) -> TimeoutError:
     return TimeoutError(f"the request's deadline passed {time.time() - work.deadline:.1f}s ago; dropped unrun")
 
 
-def check_pixels(pixels, pp: PreprocessConfig) -> tuple[list[np.ndarray], list[int]]:
+def check_pixels(pixels, pp: ProcessorConfig) -> tuple[list[np.ndarray], list[int]]:
     """Validate resized uint8 images and count their patches (cheap: shapes only)."""
     if isinstance(pixels, np.ndarray | torch.Tensor):
         raise InvalidArgumentError("pixels must be a list of uint8 [H, W, 3] arrays, not one array")

@@ -1,174 +1,119 @@
-"""Image preprocessing for Qwen2-VL / Qwen2.5-VL vision towers, equal to transformers' PIL processor.
+"""Image preprocessing for Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision towers, equal to transformers' PIL processor:
+the settings (`PreprocessConfig`, also read from a Hugging Face `preprocessor_config.json`) and the resize rule.
 
 The pipeline is split so the service can ship compact data between processes:
 
-    load_image (bytes / PIL / array -> RGB PIL)  ->  resize_image (-> uint8 HWC at the smart_resize size)
-    ->  patchify (uint8 torch tensor on any device -> float32 patches in the Hugging Face order)
+    load_image (`encoder.preprocessing.images`: bytes / PIL / array -> RGB PIL)
+    ->  cfg.resize = resize_image (-> uint8 HWC at the smart_resize size)
+    ->  patchify (`encoder.patchify`: uint8 torch tensor on any device -> float32 patches in the Hugging Face order)
 
-This module holds the first two (Pillow and numpy: no torch, so the ingress never imports it); `patchify`
-and `preprocess` are `encoder.patchify`'s. `preprocess` runs all three and returns
-a `PatchBatch` whose `pixel_values` / `grid_thw` match `Qwen2VLImageProcessorPil` output. Details that matter
-for exactness (all mirrored from transformers 5.x):
-  * RGB conversion: images with an alpha band or a `transparency` entry are alpha-composited onto white;
-    everything else goes through PIL's `convert("RGB")` (so I;16 / I / F values saturate at 255, CMYK
-    uses PIL's naive formula). uint8 arrays become L/RGB/RGBA images and follow the same rule.
-  * Resize: PIL bicubic on the uint8 RGB image, `reducing_gap=None`.
+This module and `images` are Pillow and numpy only (no torch, so the ingress never imports it); `patchify` and
+`preprocess` are `encoder.patchify`'s. `preprocess` runs all three and returns a `PatchBatch` whose
+`pixel_values` / `grid_thw` match `Qwen2VLImageProcessorPil` output. Details that matter for exactness (all
+mirrored from transformers 5.x):
+  * Resize: PIL bicubic on the uint8 RGB image, `reducing_gap=None`; sizes by `smart_resize`'s arithmetic.
   * Rescale in float64 then cast to float32; normalise in float32. `patchify` uses a 256-entry lookup
     table per channel built that way, so results are bit-identical on CPU and need no float64 on device.
-Untrusted bytes are checked before full decode: structure (`encoder.preprocessing.image_guard`: JPEG scan counts, chunk
-and frame counts, CPU bombs), format allowlist, header size (decompression bombs).
 """
 
 from __future__ import annotations
 
-import io
 import math
-import warnings
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
+from pydantic import Field, ValidationError, model_validator
 
-from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
-from encoder.preprocessing.config import (
-    DEFAULT_FORMATS,
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
-    PreprocessConfig,
-    known_formats,
-    std_positive,
-)
-from encoder.preprocessing.image_guard import check_structure
+from encoder.errors import ConfigError, InvalidImageError, validation_reason
+from encoder.preprocessing.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ProcessorConfig, reject_unsupported_steps
+from encoder.preprocessing.image_guard import DEFAULT_LIMITS, ImageLimits
+from encoder.preprocessing.images import DEFAULT_FORMATS, DEFAULT_MAX_IMAGE_PIXELS
 
-# the settings are `encoder.preprocessing.config`'s; importable from here with the pipeline that reads them
-__all__ = [
-    "DEFAULT_CONFIG", "DEFAULT_FORMATS", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "PreprocessConfig", "canonical_format",
-    "check_image_size", "known_formats", "load_image", "num_patches", "resize_image", "smart_resize", "std_positive",
-]  # fmt: skip
 
-# Pillow reports multi-picture JPEGs (most phone cameras) as "MPO"; they are JPEG files to users.
-_FORMAT_ALIASES = {"MPO": "JPEG"}
-_ORIENTATION = 0x0112  # the EXIF tag
+class PreprocessConfig(ProcessorConfig):
+    """Preprocessing settings; defaults are those of Qwen2-VL / Qwen2.5-VL checkpoints."""
+
+    kind: Literal["qwen"] = Field("qwen", description="Tells this config from the ViT one in serialised form.")
+    min_pixels: int = Field(56 * 56, gt=0, description="Lower bound on resized height*width (HF shortest_edge).")
+    max_pixels: int = Field(28 * 28 * 1280, gt=0, description="Upper bound on resized height*width (HF longest_edge).")
+    patch_size: int = Field(14, gt=0, description="Spatial patch side of the vision tower, in pixels.")
+    temporal_patch_size: int = Field(2, gt=0, description="Frames per patch; a still image is repeated.")
+    merge_size: int = Field(2, gt=0, description="Patches merged per side; resized sides are multiples of P*m.")
+    image_mean: tuple[float, float, float] = Field(OPENAI_CLIP_MEAN, description="Per-channel RGB mean.")
+    image_std: tuple[float, float, float] = Field(OPENAI_CLIP_STD, description="Per-channel RGB std (> 0).")
+    max_aspect_ratio: float = Field(
+        200.0, ge=1.0, description="Longer/shorter side ratio above which images are rejected (HF: 200)."
+    )
+    max_image_pixels: int = Field(
+        DEFAULT_MAX_IMAGE_PIXELS,
+        gt=0,
+        description="Limit on width*height of the DECODED input (before resize), read from the file header "
+        "before decoding, so decompression bombs are refused without allocating. Pillow's own bomb check "
+        "(error above 2*PIL.Image.MAX_IMAGE_PIXELS, ~179 MP) applies on top of this.",
+    )
+    allowed_formats: frozenset[str] = Field(
+        DEFAULT_FORMATS, description="Pillow format names accepted for encoded bytes (upper case)."
+    )
+    image_limits: ImageLimits = Field(
+        DEFAULT_LIMITS,
+        description="Structural limits on encoded bytes (JPEG scans, chunks, frames), checked "
+        "before Pillow parses them (`encoder.preprocessing.image_guard`).",
+    )
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> PreprocessConfig:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) > max_pixels ({self.max_pixels})")
+        return self
+
+    def resize(self, img: Image.Image) -> np.ndarray:
+        """`resize_image`: the smart_resize size, PIL bicubic."""
+        return resize_image(img, self)
+
+    def num_patches(self, height: int, width: int) -> int:
+        """`num_patches` of this module: patches of the smart_resize size."""
+        return num_patches(height, width, self)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], **overrides: Any) -> PreprocessConfig:
+        """Build from a Hugging Face `preprocessor_config.json` dict; unknown keys are ignored.
+
+        Top-level `min_pixels`/`max_pixels` win over `size` (as in transformers). Known switches we cannot
+        honour (no resize/rescale/normalise, other rescale factor or resample) raise ConfigError rather
+        than silently producing different pixels. Invalid values also raise ConfigError.
+        """
+        _reject_unsupported(d)
+        size = d.get("size") or {}
+        if not isinstance(size, dict):
+            raise ConfigError(f"preprocessor config 'size' must be a dict, got {size!r}")
+        picks = {
+            "min_pixels": _first(d.get("min_pixels"), size.get("shortest_edge"), size.get("min_pixels")),
+            "max_pixels": _first(d.get("max_pixels"), size.get("longest_edge"), size.get("max_pixels")),
+        }
+        for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
+            picks[key] = d.get(key)
+        for key in ("image_mean", "image_std"):  # transformers takes one number for every channel
+            if isinstance(picks[key], int | float) and not isinstance(picks[key], bool):
+                picks[key] = (picks[key],) * 3
+        kwargs = {k: v for k, v in picks.items() if v is not None} | overrides
+        try:
+            return cls(**kwargs)
+        except ValidationError as e:
+            raise ConfigError(f"invalid preprocessor config: {validation_reason(e)}") from e
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _reject_unsupported(d: dict[str, Any]) -> None:
+    reject_unsupported_steps(d)
+    if d.get("resample") not in (None, int(Image.Resampling.BICUBIC)):
+        raise ConfigError(f"unsupported resample {d['resample']} (only 3 = bicubic)")
+
+
 DEFAULT_CONFIG = PreprocessConfig()
-
-
-# ----------------------------------------------------------------------------------------- loading
-
-
-def load_image(x: Any, cfg: PreprocessConfig = DEFAULT_CONFIG) -> Image.Image:
-    """Decode/convert one input to an RGB PIL image (EXIF orientation applied for PIL/bytes inputs)."""
-    if isinstance(x, bytes | bytearray | memoryview):
-        img = _decode(bytes(x), cfg)
-    elif isinstance(x, Image.Image):
-        check_image_size(x.width, x.height, cfg)
-        img = _load(x)  # a lazily opened image may still hold undecoded (possibly truncated) data
-    elif isinstance(x, np.ndarray):
-        return _from_array(x, cfg)
-    elif isinstance(x, str):
-        raise InvalidImageError("got a str; paths and URLs are not accepted, pass the encoded image bytes")
-    else:
-        raise InvalidImageError(
-            f"unsupported image type {type(x).__name__}; expected bytes, PIL.Image.Image or uint8 numpy array"
-        )
-    return _to_rgb(_exif_transpose(img))
-
-
-def check_image_size(width: int, height: int, cfg: PreprocessConfig) -> None:
-    """InvalidImageError for a zero side, ImageTooLargeError above `cfg.max_image_pixels` (header facts only)."""
-    if width <= 0 or height <= 0:
-        raise InvalidImageError(f"image has zero size ({width}x{height})")
-    if width * height > cfg.max_image_pixels:
-        raise ImageTooLargeError(
-            f"image is {width}x{height} = {width * height} pixels, over the limit of {cfg.max_image_pixels}"
-        )
-
-
-def canonical_format(pillow_format: str | None) -> str | None:
-    """The format name users know for a Pillow format (an MPO file is a JPEG)."""
-    return _FORMAT_ALIASES.get(pillow_format or "", pillow_format)
-
-
-def _decode(data: bytes, cfg: PreprocessConfig) -> Image.Image:
-    if not data:
-        raise ImageDecodeError("image bytes are empty")
-    # Before Image.open: Pillow parses JPEG segments up to the first scan in Python (100,000 empty
-    # comment segments, 400 KB, take its Image.open 0.3 s), so the guard must come first.
-    check_structure(data, cfg.image_limits)
-    try:
-        img = Image.open(io.BytesIO(data))  # parses the header only
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        # The warning only arrives as an exception if the caller's warning filters say so; we never
-        # touch the (process-global, thread-unsafe) filters ourselves.
-        raise ImageTooLargeError(f"image refused as a decompression bomb: {reason(e)}") from e
-    except UnidentifiedImageError as e:  # no plugin recognised the header
-        raise ImageDecodeError(
-            f"cannot identify image data ({len(data)} bytes): not an image in a known format "
-            f"(accepted: {', '.join(sorted(cfg.allowed_formats))})"
-        ) from e
-    except Exception as e:  # Pillow plugins raise many types on garbage input
-        raise ImageDecodeError(f"cannot identify image data ({len(data)} bytes): {reason(e)}") from e
-    if canonical_format(img.format) not in cfg.allowed_formats:
-        raise ImageDecodeError(
-            f"image format {img.format} is not allowed (allowed: {', '.join(sorted(cfg.allowed_formats))})"
-        )
-    check_image_size(img.width, img.height, cfg)  # before .load(): nothing big allocated yet
-    return _load(img)
-
-
-def _load(img: Image.Image) -> Image.Image:
-    try:
-        img.load()  # Image.open is lazy; force the full decode so truncation is caught here
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageTooLargeError(f"image refused as a decompression bomb: {reason(e)}") from e
-    except Exception as e:
-        raise ImageDecodeError(f"{img.format or img.mode} image is truncated or corrupt: {reason(e)}") from e
-    return img
-
-
-def ignore_pillow_bomb_warning() -> None:
-    """For a process of ours that checks every image against its own `max_image_pixels` from the header right
-    after `Image.open` (the ingress, its decode workers, the batch job's processes, the CLI): ignore Pillow's
-    `DecompressionBombWarning`, which `Image.open` prints for an image over `PIL.Image.MAX_IMAGE_PIXELS` before
-    that check runs, so a refused image still logged it. Our limit decides (and refuses with a clear error);
-    Pillow's `DecompressionBombError` (twice its limit) stays. A filter installed once per process (idempotent),
-    not around each open: warning filters are process-wide and `catch_warnings` is not thread-safe. Library
-    callers' processes (`VisionEncoder`) keep their own filters: it is not called there."""
-    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
-
-
-def _exif_transpose(img: Image.Image) -> Image.Image:
-    try:
-        if img.getexif().get(_ORIENTATION, 1) == 1:
-            return img  # upright: exif_transpose would only copy it
-        return ImageOps.exif_transpose(img)
-    except Exception:
-        # Broken EXIF metadata should not make an otherwise good image unusable (viewers ignore it too).
-        return img
-
-
-def _to_rgb(img: Image.Image) -> Image.Image:
-    """RGB conversion with the same rule as transformers' convert_to_rgb for PIL images."""
-    try:
-        if "A" in img.getbands() or img.info.get("transparency") is not None:
-            rgba = img.convert("RGBA")
-            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(white, rgba).convert("RGB")
-        return img if img.mode == "RGB" else img.convert("RGB")  # converting RGB would only copy it
-    except (ValueError, OSError) as e:
-        raise InvalidImageError(f"cannot convert image of mode {img.mode} to RGB: {reason(e)}") from e
-
-
-def _from_array(arr: np.ndarray, cfg: PreprocessConfig) -> Image.Image:
-    if arr.dtype != np.uint8:
-        raise InvalidImageError(f"image arrays must have dtype uint8, got {arr.dtype}")
-    if arr.ndim == 2:
-        arr = arr[:, :, None]
-    if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
-        raise InvalidImageError(f"image arrays must be HxW or HxWxC with C in 1/3/4, got shape {arr.shape}")
-    check_image_size(arr.shape[1], arr.shape[0], cfg)
-    # As an L / RGB / RGBA image, the PIL path gives the same bytes as transformers' array path (channel
-    # repeat; float64 blend onto white, rounded), checked for every (value, alpha) pair in the tests.
-    return _to_rgb(Image.fromarray(np.ascontiguousarray(arr[:, :, 0] if arr.shape[2] == 1 else arr)))
 
 
 # ----------------------------------------------------------------------------------------- resizing

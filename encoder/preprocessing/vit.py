@@ -17,10 +17,9 @@ Pipeline (the same split as `encoder.preprocessing.qwen`, so the service ships c
 Rescale (x / 255 in float64, cast to float32) and normalise ((x - mean) / std in float32) happen in
 `encoder.patchify.patchify` through its per-channel lookup table: bit-identical to transformers.
 `VitPreprocessConfig` has `merge_size = temporal_patch_size = 1`, so that patchify (and every caller
-of it, such as the service's on-device patchify) produces the ViT patch layout unchanged.
-
-The dispatchers at the end (`resize_image_for`, `num_patches_for`, `preprocess_config_from_dump`) accept
-either family's config, for code that serves any model.
+of it, such as the service's on-device patchify) produces the ViT patch layout unchanged; its `resize` and
+`num_patches` are those of every `encoder.preprocessing.config.ProcessorConfig`, so code that serves any model
+calls them without asking the family.
 """
 
 from __future__ import annotations
@@ -30,31 +29,21 @@ from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from encoder.config import ClipVisionConfig, VitVisionConfig
 from encoder.errors import ConfigError, InvalidImageError, validation_reason
-from encoder.preprocessing.config import (
-    DEFAULT_FORMATS,
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
-    PreprocessConfig,
-    known_formats,
-    reject_unsupported_steps,
-    std_positive,
-)
+from encoder.preprocessing.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ProcessorConfig, reject_unsupported_steps
 from encoder.preprocessing.image_guard import DEFAULT_LIMITS, ImageLimits
-from encoder.preprocessing.qwen import num_patches, resize_image
+from encoder.preprocessing.images import DEFAULT_FORMATS, DEFAULT_MAX_IMAGE_PIXELS
 
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
 SIGLIP_STD = (0.5, 0.5, 0.5)
 _PIL_FILTERS = {int(f) for f in Image.Resampling}
 
 
-class VitPreprocessConfig(BaseModel):
+class VitPreprocessConfig(ProcessorConfig):
     """Preprocessing of a fixed-resolution tower (CLIP / SigLIP); `for_model` gives the defaults."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal["vit"] = Field("vit", description="Tells this config from the Qwen one in serialised form.")
     patch_size: int = Field(14, gt=0, description="Patch side of the tower, in pixels.")
@@ -75,17 +64,12 @@ class VitPreprocessConfig(BaseModel):
         "edge (the intermediate image grows with the ratio; transformers has no limit).",
     )
     max_image_pixels: int = Field(
-        100_000_000, gt=0, description="Limit on width*height of the decoded input (see PreprocessConfig)."
+        DEFAULT_MAX_IMAGE_PIXELS, gt=0, description="Limit on width*height of the decoded input (see PreprocessConfig)."
     )
     allowed_formats: frozenset[str] = Field(DEFAULT_FORMATS, description="Pillow format names accepted for bytes.")
     image_limits: ImageLimits = Field(
         DEFAULT_LIMITS, description="Structural limits on encoded bytes (see PreprocessConfig)."
     )
-
-    @field_validator("image_std")
-    @classmethod
-    def _std_positive(cls, v):
-        return std_positive(v)
 
     @field_validator("resample")
     @classmethod
@@ -93,11 +77,6 @@ class VitPreprocessConfig(BaseModel):
         if v not in _PIL_FILTERS:
             raise ValueError(f"resample must be a PIL filter ({sorted(_PIL_FILTERS)}), got {v}")
         return v
-
-    @field_validator("allowed_formats")
-    @classmethod
-    def _known_formats(cls, v):
-        return known_formats(v)
 
     @model_validator(mode="after")
     def _one_size_rule(self) -> VitPreprocessConfig:
@@ -124,15 +103,6 @@ class VitPreprocessConfig(BaseModel):
         return 1
 
     @property
-    def factor(self) -> int:
-        """Sides of the arrays `resize_crop` returns are multiples of this (one patch)."""
-        return self.patch_size
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.patch_size**2
-
-    @property
     def output_size(self) -> tuple[int, int]:
         """(height, width) of `resize_crop`'s arrays: the crop (or resize) size cut to whole patches."""
         h, w = (self.crop_height, self.crop_width) if self.crop_height is not None else (self.height, self.width)
@@ -141,10 +111,14 @@ class VitPreprocessConfig(BaseModel):
         p = self.patch_size
         return h // p * p, w // p * p
 
-    @property
-    def num_patches(self) -> int:
+    def num_patches(self, height: int | None = None, width: int | None = None) -> int:
+        """Patches of every processed image, whatever the original size (`height`, `width`: unused)."""
         h, w = self.output_size
         return (h // self.patch_size) * (w // self.patch_size)
+
+    def resize(self, img: Image.Image) -> np.ndarray:
+        """`resize_crop`: resize, center crop, whole patches."""
+        return resize_crop(img, self)
 
     @property
     def min_pixels(self) -> int:
@@ -286,24 +260,3 @@ def resize_crop(img: Image.Image, cfg: VitPreprocessConfig) -> np.ndarray:
         arr = center_crop(arr, cfg.crop_height, cfg.crop_width)
     out_h, out_w = cfg.output_size
     return np.ascontiguousarray(arr[:out_h, :out_w])
-
-
-# ----------------------------------------------------------------------------------------- any family
-
-AnyPreprocessConfig = PreprocessConfig | VitPreprocessConfig
-
-
-def resize_image_for(img: Image.Image, cfg: AnyPreprocessConfig) -> np.ndarray:
-    """`resize_crop` for a ViT config, `encoder.preprocessing.qwen.resize_image` for a Qwen one."""
-    return resize_crop(img, cfg) if isinstance(cfg, VitPreprocessConfig) else resize_image(img, cfg)
-
-
-def num_patches_for(height: int, width: int, cfg: AnyPreprocessConfig) -> int:
-    """Patches an image of this original size yields (no decoding)."""
-    return cfg.num_patches if isinstance(cfg, VitPreprocessConfig) else num_patches(height, width, cfg)
-
-
-def preprocess_config_from_dump(d: dict[str, Any]) -> AnyPreprocessConfig:
-    """The config back from its `model_dump()` (e.g. a replica's `describe()["preprocess"]`)."""
-    cls = VitPreprocessConfig if d.get("kind") == "vit" else PreprocessConfig
-    return cls.model_validate(d)

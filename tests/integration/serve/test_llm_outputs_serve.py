@@ -353,7 +353,8 @@ def test_replica_encode_llm_pixels_checks_its_inputs(apps, references):
 
     from deployments.config import ENCODER_NAME
     from encoder.errors import InvalidArgumentError, InvalidImageError
-    from encoder.preprocessing.qwen import load_image, resize_image
+    from encoder.preprocessing.images import load_image
+    from encoder.preprocessing.qwen import resize_image
 
     app = apps["tiny"]
     enc = serve.get_deployment_handle(ENCODER_NAME, app_name=app.name)

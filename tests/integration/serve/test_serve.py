@@ -253,7 +253,8 @@ def test_encoder_replica_direct_call_and_routing_stats(app, reference):
     from ray import serve
 
     from deployments.config import ENCODER_NAME
-    from encoder.preprocessing.qwen import load_image, resize_image
+    from encoder.preprocessing.images import load_image
+    from encoder.preprocessing.qwen import resize_image
 
     enc = serve.get_deployment_handle(ENCODER_NAME, app_name=app.name)
     pixels = [resize_image(load_image(random_array(60, 60, 3, seed=11))), resize_image(load_image(png(100, 40, 12)))]

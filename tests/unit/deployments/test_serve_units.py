@@ -31,7 +31,8 @@ from encoder.errors import (
     InvalidImageError,
 )
 from encoder.patchify import patchify_many, stack_patchify
-from encoder.preprocessing.qwen import PreprocessConfig, load_image, num_patches, resize_image
+from encoder.preprocessing.images import load_image
+from encoder.preprocessing.qwen import PreprocessConfig, num_patches, resize_image
 from tests.images_util import encode, random_array, random_image
 from tests.jpeg_bombs import scan_bomb
 from workspace.buckets import BucketKey, default_table

@@ -19,7 +19,7 @@ from PIL import Image
 import encoder
 from encoder import ConfigError, EncoderError
 from encoder.errors import reason
-from encoder.patchify import preprocess, preprocess_vit
+from encoder.patchify import preprocess
 from encoder.preprocessing.qwen import PreprocessConfig
 from encoder.preprocessing.vit import VitPreprocessConfig
 from tests.hf_models import write_checkpoint
@@ -87,7 +87,7 @@ def encoders():
 def entry_points(encoders):
     points = {"preprocess": lambda x: preprocess(x, PreprocessConfig())}
     clip = encoders["tiny-clip"].preprocess_config
-    points["preprocess_vit"] = lambda x: preprocess_vit(x, clip)
+    points["preprocess(clip)"] = lambda x: preprocess(x, clip)
     for name, enc in encoders.items():
         points[f"{name}.preprocess"] = enc.preprocess
         points[f"{name}.encode"] = enc.encode

@@ -17,8 +17,8 @@ import pytest
 
 from deployments.ingress.decode_pool import DecodePool, _serve, decode_resized
 from encoder.errors import DecodeTimeoutError, DecodeWorkerError, ImageDecodeError, ImageTooComplexError
-from encoder.preprocessing.qwen import DEFAULT_CONFIG, load_image
-from encoder.preprocessing.vit import resize_image_for
+from encoder.preprocessing.images import load_image
+from encoder.preprocessing.qwen import DEFAULT_CONFIG
 from tests.decode_hooks import misbehaving_decode
 from tests.images_util import encode, random_image
 from tests.jpeg_bombs import scan_bomb
@@ -57,7 +57,7 @@ def test_decode_resized_returns_what_the_ingress_sends():
     data = encode(random_image("RGB", 300, 500), "PNG")
     with DecodePool(1, decode_fn=decode_resized) as p:
         out = p.decode(data, 30.0)
-    np.testing.assert_array_equal(out, resize_image_for(load_image(data), DEFAULT_CONFIG))
+    np.testing.assert_array_equal(out, DEFAULT_CONFIG.resize(load_image(data)))
     assert out.shape[0] % 28 == 0 and out.shape[1] % 28 == 0
 
 

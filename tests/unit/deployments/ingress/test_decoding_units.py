@@ -120,7 +120,7 @@ def test_a_refused_bomb_logs_no_pillow_warning(monkeypatch):
 
     from deployments.ingress.inputs import harden_pillow, open_input
     from encoder.errors import ImageTooLargeError
-    from encoder.preprocessing.qwen import load_image
+    from encoder.preprocessing.images import load_image
     from tests.images_util import png_bomb_header
 
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # harden_pillow's are process-wide

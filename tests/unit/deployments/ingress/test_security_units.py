@@ -25,7 +25,8 @@ from deployments.ingress.openai_api import error_response, parse_embedding_reque
 from deployments.ingress.security import ApiKeyAuth, UrlFetcher, host_allowed
 from deployments.metrics import rss_bytes
 from encoder.errors import ConfigError, ImageDecodeError, ImageTooLargeError, InvalidImageError
-from encoder.preprocessing.qwen import DEFAULT_FORMATS, PreprocessConfig
+from encoder.preprocessing.images import DEFAULT_FORMATS
+from encoder.preprocessing.qwen import PreprocessConfig
 from tests.images_util import encode, png_bomb_header, random_array, random_image
 
 PP = ingress_preprocess_config(PreprocessConfig(), 2_000_000, DEFAULT_IMAGE_FORMATS)

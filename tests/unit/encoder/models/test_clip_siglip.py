@@ -20,8 +20,9 @@ import encoder
 from encoder import CheckpointError, ConfigError, InvalidArgumentError
 from encoder.config import ClipVisionConfig, SiglipVisionConfig
 from encoder.loading.presets import preset
-from encoder.patchify import preprocess_vit
-from encoder.preprocessing.vit import VitPreprocessConfig, preprocess_config_from_dump
+from encoder.patchify import preprocess
+from encoder.preprocessing.families import preprocess_config_from_dump
+from encoder.preprocessing.vit import VitPreprocessConfig
 from tests.graph_cases import rel_err
 from tests.hf_models import check_norms_on_small_activations
 from tests.images_util import encode, random_image
@@ -180,7 +181,7 @@ def test_images_end_to_end_match_hf(checkpoint):
 
 
 def assert_preprocess_matches(images, pp: VitPreprocessConfig, processor) -> None:
-    ours = preprocess_vit(images, pp)
+    ours = preprocess(images, pp)
     hf = processor(images=images, return_tensors="np")["pixel_values"]
     ref = to_patches(hf, pp.patch_size).numpy()
     assert ours.pixel_values.dtype == torch.float32 and ours.pixel_values.shape == ref.shape
@@ -260,14 +261,14 @@ def test_preprocessor_config_defaults_and_errors():
 def test_preprocess_errors_and_limits():
     pp = VitPreprocessConfig.for_model(preset("tiny-clip"))
     with pytest.raises(encoder.ImageDecodeError, match="image 1"):
-        preprocess_vit([encode(random_image("RGB", 20, 20), "PNG"), b"garbage"], pp)
+        preprocess([encode(random_image("RGB", 20, 20), "PNG"), b"garbage"], pp)
     with pytest.raises(encoder.InvalidImageError, match="aspect ratio"):
-        preprocess_vit(np.zeros((1, 300, 3), dtype=np.uint8), pp)
+        preprocess(np.zeros((1, 300, 3), dtype=np.uint8), pp)
     small = pp.model_copy(update={"max_image_pixels": 100})
     with pytest.raises(encoder.ImageTooLargeError):
-        preprocess_vit(encode(random_image("RGB", 20, 20), "PNG"), small)
+        preprocess(encode(random_image("RGB", 20, 20), "PNG"), small)
     # SigLIP resizes to a square: any aspect ratio is accepted, as in transformers
-    preprocess_vit(np.zeros((1, 300, 3), dtype=np.uint8), VitPreprocessConfig.for_model(preset("tiny-siglip")))
+    preprocess(np.zeros((1, 300, 3), dtype=np.uint8), VitPreprocessConfig.for_model(preset("tiny-siglip")))
     # the serialised form round-trips and is told apart from the Qwen config
     assert preprocess_config_from_dump(pp.model_dump(mode="json")) == pp
     assert type(preprocess_config_from_dump(encoder.load("tiny", device="cpu").preprocess_config.model_dump())) is (
@@ -278,16 +279,17 @@ def test_preprocess_errors_and_limits():
 def test_service_patchify_equals_preprocess():
     """The service's path (uint8 arrays stacked, patchified on the device) gives the same patches."""
     from encoder.patchify import patchify
-    from encoder.preprocessing.vit import num_patches_for, resize_crop, resize_image_for
+    from encoder.preprocessing.images import load_image
+    from encoder.preprocessing.vit import resize_crop
 
     pp = VitPreprocessConfig.for_model(preset("tiny-siglip"))
     images = [random_image("RGB", h, w, seed=h) for h, w in [(90, 40), (120, 120), (33, 200)]]
-    arrays = [resize_image_for(encoder.preprocessing.qwen.load_image(img, pp), pp) for img in images]
+    arrays = [pp.resize(load_image(img, pp)) for img in images]
     assert all(np.array_equal(a, resize_crop(img, pp)) for a, img in zip(arrays, images, strict=True))
     assert all(a.shape == (112, 112, 3) and a.shape[0] % pp.factor == 0 for a in arrays)
     stacked = patchify(torch.from_numpy(np.concatenate(arrays)), pp)
-    assert torch.equal(stacked, preprocess_vit(images, pp).pixel_values)
-    assert num_patches_for(5000, 10, pp) == pp.num_patches == 64 == pp.max_pixels // pp.patch_size**2
+    assert torch.equal(stacked, preprocess(images, pp).pixel_values)
+    assert pp.num_patches(5000, 10) == pp.num_patches(10, 5000) == 64 == pp.max_pixels // pp.patch_size**2
 
 
 # ------------------------------------------------------------------------------------------ poolings, API

@@ -65,7 +65,7 @@ def test_scalar_image_mean_and_std_are_per_channel_as_in_transformers():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from encoder.patchify import preprocess
-    from encoder.preprocessing.config import PreprocessConfig
+    from encoder.preprocessing.qwen import PreprocessConfig
 
     raw = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": 0.25, "image_std": 0.5,
            "size": {"shortest_edge": 4096, "longest_edge": 65536}}  # fmt: skip

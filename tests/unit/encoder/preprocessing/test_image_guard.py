@@ -14,7 +14,8 @@ from PIL import Image
 
 from encoder.errors import EncoderError, ImageDecodeError, ImageTooComplexError
 from encoder.preprocessing.image_guard import ImageLimits, check_structure
-from encoder.preprocessing.qwen import PreprocessConfig, load_image
+from encoder.preprocessing.images import load_image
+from encoder.preprocessing.qwen import PreprocessConfig
 from encoder.preprocessing.vit import VitPreprocessConfig
 from tests.images_util import encode, random_image
 from tests.jpeg_bombs import scan_bomb

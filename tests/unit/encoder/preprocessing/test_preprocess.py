@@ -1,4 +1,4 @@
-"""encoder.preprocessing.qwen against transformers' Qwen2VLImageProcessorPil, plus input validation."""
+"""encoder.preprocessing.qwen and images against transformers' Qwen2VLImageProcessorPil, plus input validation."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from encoder.errors import ConfigError, ImageDecodeError, ImageTooLargeError, InvalidImageError
 from encoder.patchify import patchify, patchify_many, preprocess
-from encoder.preprocessing.qwen import PreprocessConfig, load_image, num_patches, resize_image, smart_resize
+from encoder.preprocessing.images import load_image
+from encoder.preprocessing.qwen import PreprocessConfig, num_patches, resize_image, smart_resize
 from tests.images_util import encode, jpeg_with_orientation, png_bomb_header, random_array, random_image
 
 DEFAULT = PreprocessConfig()

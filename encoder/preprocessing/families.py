@@ -1,0 +1,15 @@
+"""The preprocessing families by name: a config back from its dump, whichever family it is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from encoder.preprocessing.config import ProcessorConfig
+from encoder.preprocessing.qwen import PreprocessConfig
+from encoder.preprocessing.vit import VitPreprocessConfig
+
+
+def preprocess_config_from_dump(d: dict[str, Any]) -> ProcessorConfig:
+    """The config back from its `model_dump()` (e.g. a replica's `describe()["preprocess"]`), by its `kind`."""
+    cls = VitPreprocessConfig if d.get("kind") == "vit" else PreprocessConfig
+    return cls.model_validate(d)
