@@ -28,6 +28,7 @@ from deployments.config import AppArgs, replica_plan, resolve_device, resolve_nu
 from deployments.llm_outputs import WireLLM, check_dtype
 from deployments.metrics import ReplicaMetrics
 from deployments.routing.stats import BucketRoutingStats
+from deployments.wire import EncodeRequest
 from encoder.errors import EncoderError, InvalidArgumentError
 from encoder.poolings import POOLINGS, check_pooling
 
@@ -35,7 +36,7 @@ from encoder.poolings import POOLINGS, check_pooling
 # methods, which run in the replica's own process: a driver that only builds the application (`serve run`,
 # the launcher, a test) imports this module for the class and would pay ~3 s of CPU for torch it never uses.
 if TYPE_CHECKING:
-    from deployments.replica.pipeline import DevicePipeline, Work
+    from deployments.replica.pipeline import DevicePipeline
 
 logger = logging.getLogger("ray.serve")
 
@@ -122,11 +123,11 @@ class EncoderReplica:
         given they must match the pixels. `deadline` (`time.time()`, the caller's request deadline): the work is
         dropped, with `TimeoutError`, if it has not started by then (`replica_pipeline.DevicePipeline`).
         """
-        from deployments.replica.pipeline import Work, check_pixels
+        from deployments.replica.pipeline import check_pixels
 
         entered = time.perf_counter()
         check_pooling(pooling)
-        work = Work(*check_pixels(pixels, self.pp), pooling, deadline=deadline)
+        work = EncodeRequest(*check_pixels(pixels, self.pp), pooling, deadline=deadline)
         return await self._encode(work, num_patches, num_images, entered)
 
     async def encode_llm_pixels(
@@ -142,14 +143,16 @@ class EncoderReplica:
         per image `(tokens [n, out_dim], [DeepStack layer [n, out_dim], ...], (t, h, w))`, the arrays in the
         wire `dtype` (`deployments.llm_outputs`: float32, float16, or bfloat16 bit patterns as uint16),
         converted in the results thread. `[]` DeepStack layers for towers without them."""
-        from deployments.replica.pipeline import Work, check_pixels
+        from deployments.replica.pipeline import check_pixels
 
         entered = time.perf_counter()
         check_dtype(dtype)
-        work = Work(*check_pixels(pixels, self.pp), "none", dtype, deadline=deadline)
+        work = EncodeRequest(*check_pixels(pixels, self.pp), "none", dtype, deadline=deadline)
         return await self._encode(work, num_patches, num_images, entered)
 
-    async def _encode(self, work: Work, num_patches: int | None, num_images: int | None, entered: float) -> list:
+    async def _encode(
+        self, work: EncodeRequest, num_patches: int | None, num_images: int | None, entered: float
+    ) -> list:
         if num_patches is not None and int(num_patches) != work.patches:
             raise InvalidArgumentError(f"num_patches={num_patches} but the pixels have {work.patches} patches")
         if num_images is not None and int(num_images) != len(work.arrays):
