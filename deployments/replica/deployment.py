@@ -100,7 +100,10 @@ class EncoderReplica:
         # DeepStack layers of the LLM-ready outputs (0 for towers without), from one tiny encode
         probe = stack_patchify(probe_pixels(self.pp), self.pp, self.device)
         self.deepstack_layers = len(self.engine.encode_llm(probe)[0].deepstack)
-        self.default_pooling = vector_pooling(vision.config)
+        # the service's one-vector default (`encoder.api.vector_pooling`; not `VisionEncoder.default_pooling`,
+        # which is the library's "none" for the Qwen towers) and the poolings this model supports, with their sizes
+        self.vector_pooling = vector_pooling(vision.config)
+        self.output_dims = {p: vision.output_dim(p) for p in POOLINGS if self._supports(p)}
         stats = self.engine.stats()
         self.metrics.captured.set(stats["captures"])
         self.ready = True
@@ -111,7 +114,7 @@ class EncoderReplica:
         self,
         pixels,
         *,
-        pooling: str = "mean",
+        pooling: str | None = None,
         num_patches: int | None = None,
         num_images: int | None = None,
         deadline: float | None = None,
@@ -119,14 +122,17 @@ class EncoderReplica:
         """Encode resized uint8 images ([H, W, 3], sides multiples of patch*merge: `resize_image` output).
 
         Returns one float32 array per image: [out_dim] for `pooling="mean"`, [tokens, out_dim] for
-        `"none"`. `num_patches` (total patches of the request) and `num_images` are what routers read; when
-        given they must match the pixels. `deadline` (`time.time()`, the caller's request deadline): the work is
-        dropped, with `TimeoutError`, if it has not started by then (`replica_pipeline.DevicePipeline`).
+        `"none"`; `pooling=None` is the service's vector pooling (`describe()["vector_pooling"]`). The ingress
+        sends a resolved pooling; the replica only checks that this model supports it (an unsupported one
+        would fail the whole batch it joined). `num_patches` (total patches of the request) and `num_images`
+        are what routers read; when given they must match the pixels. `deadline` (`time.time()`, the caller's
+        request deadline): the work is dropped, with `TimeoutError`, if it has not started by then
+        (`replica.pipeline.DevicePipeline`).
         """
         from deployments.replica.pipeline import check_pixels
 
         entered = time.perf_counter()
-        check_pooling(pooling)
+        pooling = self._pooling(pooling)
         work = EncodeRequest(*check_pixels(pixels, self.pp), pooling, deadline=deadline)
         return await self._encode(work, num_patches, num_images, entered)
 
@@ -194,6 +200,17 @@ class EncoderReplica:
         if pipeline is not None:
             pipeline.shutdown()
 
+    def _pooling(self, pooling: str | None) -> str:
+        """`pooling`, or the vector pooling when None; refused unless this model supports it."""
+        if pooling is None:
+            return self.vector_pooling
+        if pooling not in self.output_dims:
+            check_pooling(pooling)  # an unknown name: that message
+            raise InvalidArgumentError(
+                f"pooling {pooling!r} is not supported by this model; supported: {', '.join(self.output_dims)}"
+            )
+        return pooling
+
     def _supports(self, pooling: str) -> bool:
         try:
             self.engine.encoder.resolve_pooling(pooling)
@@ -207,8 +224,8 @@ class EncoderReplica:
         return {
             "model": vision.name,
             "out_dim": vision.out_dim,
-            "default_pooling": self.default_pooling,
-            "output_dims": {p: vision.output_dim(p) for p in POOLINGS if self._supports(p)},
+            "vector_pooling": self.vector_pooling,
+            "output_dims": dict(self.output_dims),
             "deepstack_layers": self.deepstack_layers,
             "device": str(self.device),
             "dtype": str(vision.dtype).removeprefix("torch."),
