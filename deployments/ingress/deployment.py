@@ -5,9 +5,12 @@
 * `http_routes.HttpRoutes`: what `POST /v1/embeddings`, `GET /v1/models` and `GET /health` do; the request
   schema, answer bodies and error answers are `openai_api`'s, which status an error gets `errors`'.
 * `handle_calls.HandleCalls`: what `embed` and `embed_llm` do.
+* `lifecycle.Lifecycle`: what both do with a parsed request (admission, pooling, decode, deadline, encoder
+  call, accounting), written once.
 * `decoding.IngressDecoder`: header checks, the request's patch total, then decode and resize to uint8
   (`inputs`), on the event loop or in this replica's thread pool.
-* `encoder_calls.EncoderClient`: merging callers into encoder requests, splitting big ones, retries.
+* `encoder_calls.EncoderClient`: merging callers into encoder requests, splitting big ones, retries (the
+  record sent is `deployments.wire.EncodeRequest`).
 * `limits.Admission`, `security.ApiKeyAuth` / `UrlFetcher`, `metrics.IngressTelemetry`.
 """
 

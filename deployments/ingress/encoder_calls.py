@@ -32,7 +32,6 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -47,6 +46,7 @@ from deployments.ingress.inputs import ingress_preprocess_config
 from deployments.llm_outputs import wire_itemsize
 from deployments.metrics import IngressTelemetry
 from deployments.ray_compat import by_reference, call_as_new_request
+from deployments.wire import EncodeRequest, group
 from encoder.preprocessing.families import preprocess_config_from_dump
 
 logger = logging.getLogger("ray.serve")
@@ -56,21 +56,6 @@ T = TypeVar("T")
 # reference (object store), not inline over gRPC (see the module docstring).
 _INLINE_BYTES = 2 * 2**20
 _INLINE_ANSWER_BYTES = 256 * 2**10
-
-
-@dataclass
-class Call:
-    """One caller's images waiting to be merged with others into an encoder request."""
-
-    arrays: list[np.ndarray]
-    counts: list[int]
-    pooling: str
-    llm: str | None = None  # LLM-ready outputs in this wire dtype (`encode_llm_pixels`) instead of pooled vectors
-    deadline: float | None = None  # time.time() past which nobody waits for it
-
-    @property
-    def patches(self) -> int:
-        return sum(self.counts)
 
 
 def chunk(counts: list[int], max_patches: int, max_images: int) -> list[tuple[int, int]]:
@@ -176,89 +161,72 @@ class EncoderClient:
         self, arrays: list[np.ndarray], pooling: str, llm: str | None = None, deadline: float | None = None
     ) -> tuple[list, int]:
         """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`; and the patches.
-        `deadline` (`time.time()`): the request's, sent along so the encoder drops the work once it passed."""
+        `pooling`: resolved (the lifecycle's). `deadline` (`time.time()`): the request's, sent along so the
+        encoder drops the work once it passed."""
         info = await self.info()
         p = info["preprocess_config"].patch_size
-        counts = [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays]
+        request = EncodeRequest(arrays, [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays], pooling, llm, deadline)
         # only what fits one encoder call is merged: a request of several packs would hold a merge slot (and
         # the callers merged with it) for all of them
-        small = len(arrays) < self.args.ingress_batch_size and sum(counts) <= info["max_batch_patches"]
+        small = request.images < self.args.ingress_batch_size and request.patches <= info["max_batch_patches"]
         if self._merge is not None and small:
             self._telemetry.count("merged_calls")
-            return await self._merge(Call(arrays, counts, pooling, llm, deadline)), sum(counts)
-        return await self._send(arrays, counts, pooling, llm, deadline), sum(counts)
+            return await self._merge(request), request.patches
+        return await self._send(request), request.patches
 
-    async def _send(
-        self,
-        arrays: list[np.ndarray],
-        counts: list[int],
-        pooling: str,
-        llm: str | None = None,
-        deadline: float | None = None,
-    ) -> list:
+    async def _send(self, request: EncodeRequest) -> list:
         info = await self.info()
-        parts = chunk(counts, info["max_batch_patches"], info["max_batch_images"])
+        ranges = chunk(request.counts, info["max_batch_patches"], info["max_batch_images"])
+        packs = [request.pack(s, e) for s, e in ranges]
 
-        def call(s: int, e: int):
+        def call(pack: EncodeRequest):
             big = (
-                sum(x.nbytes for x in arrays[s:e]) > _INLINE_BYTES
-                or answer_bytes(info, counts[s:e], pooling, llm) > _INLINE_ANSWER_BYTES
+                sum(x.nbytes for x in pack.arrays) > _INLINE_BYTES
+                or answer_bytes(info, pack.counts, pack.pooling, pack.llm) > _INLINE_ANSWER_BYTES
             )
             handle = self._encoder_by_ref if big else self._encoder
-            # what the router reads (`router_assignment.request_size`): a bucket caps images as well as patches
-            size = {"num_patches": sum(counts[s:e]), "num_images": e - s, "deadline": deadline}
-            if llm is not None:
-                method, kwargs = handle.encode_llm_pixels, {"dtype": llm, **size}
-            else:
-                method, kwargs = handle.encode_pixels, {"pooling": pooling, **size}
+            # the keyword arguments carry what the router reads (`routing.assignment.request_size`): a bucket
+            # caps images as well as patches
+            name, kwargs = pack.call()
+            method = getattr(handle, name)
             route = "by_reference" if big else "inline"
 
             async def timed() -> list:
                 started = time.perf_counter()
-                out = await await_cancelling(call_as_new_request(method, arrays[s:e], **kwargs))
+                out = await await_cancelling(call_as_new_request(method, pack.arrays, **kwargs))
                 self._telemetry.timings["encoder_call"].add(**{route: time.perf_counter() - started})
                 return out
 
             return timed
 
-        if len(parts) == 1:
+        if len(packs) == 1:
             self._telemetry.count("encoder_requests")
-            return await self._retrying(call(*parts[0]))
+            return await self._retrying(call(packs[0]))
         # At most `ingress_packs_in_flight` packs of one request are with the encoder at once, in order: a
         # request queued behind a large one waits for that many packs, not all of them; and when the request
         # is given up (deadline, disconnect, a failed pack) its packs not yet sent are never sent.
         window = asyncio.Semaphore(self.args.ingress_packs_in_flight)
 
-        async def pack(s: int, e: int) -> list:
+        async def send(pack: EncodeRequest) -> list:
             async with window:
                 self._telemetry.count("encoder_requests")
-                return await self._retrying(call(s, e))
+                return await self._retrying(call(pack))
 
-        results = await gather_or_cancel(pack(s, e) for s, e in parts)
+        results = await gather_or_cancel(send(pack) for pack in packs)
         return [v for part in results for v in part]
 
-    async def _run_merged(self, calls: list[Call]) -> list[list[np.ndarray]]:
+    async def _run_merged(self, requests: list[EncodeRequest]) -> list[list]:
+        """One encoder call per output form of the merged callers (`wire.group`), each caller's outputs back."""
         self._telemetry.count("merged_batches")
-        out: list[list | None] = [None] * len(calls)
-        groups: dict[tuple[str, str | None], list[int]] = {}
-        for i, c in enumerate(calls):
-            groups.setdefault((c.pooling, c.llm), []).append(i)
+        out: list[list | None] = [None] * len(requests)
+        groups = group(requests)
 
-        async def run(mode: tuple[str, str | None], members: list[int]) -> None:
-            arrays = [x for i in members for x in calls[i].arrays]
-            counts = [n for i in members for n in calls[i].counts]
-            deadlines = [calls[i].deadline for i in members]
-            # the merged call is wanted until its last caller's deadline
-            deadline = None if None in deadlines else max(deadlines)
-            self._telemetry.metrics.merged.observe(len(arrays))
-            vectors = await self._send(arrays, counts, *mode, deadline)
-            pos = 0
-            for i in members:
-                out[i] = vectors[pos : pos + len(calls[i].arrays)]
-                pos += len(calls[i].arrays)
+        async def run(g) -> None:
+            self._telemetry.metrics.merged.observe(g.merged.images)
+            g.scatter(await self._send(g.merged), requests, out)
 
         if len(groups) == 1:  # the usual case: no task for gather to wrap it in
-            await run(*next(iter(groups.items())))
+            await run(groups[0])
         else:
-            await asyncio.gather(*(run(p, m) for p, m in groups.items()))
+            await asyncio.gather(*(run(g) for g in groups))
         return out

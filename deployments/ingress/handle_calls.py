@@ -4,20 +4,20 @@ Same path as HTTP without the HTTP parts: admission (a `BackPressureError` at on
 full: requests, bytes of inputs or patches, `limits.Admission`; 503 while the service shuts down), the images
 (`IngressDecoder`) and the encoder call (`EncoderClient`) under the request's time limit (`TimeoutError`).
 Bad inputs raise the replica's or the decoder's own `encoder.EncoderError`, never Ray's wrapper; the
-per-request limits (images, patches) are HTTP's.
+per-request limits (images, patches) are HTTP's. This module checks the arguments and shapes the outcome; the
+request's life (admission, decode, deadline, encoder call, accounting) is `lifecycle.Lifecycle`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from functools import partial
 
 from deployments.config import AppArgs
-from deployments.errors import CLIENT_ERROR, DISCONNECTED, OK, classify, root_cause
+from deployments.errors import CLIENT_ERROR, classify, root_cause
 from deployments.ingress.decoding import IngressDecoder
 from deployments.ingress.encoder_calls import EncoderClient
-from deployments.ingress.limits import Admission, Ticket
+from deployments.ingress.lifecycle import EmbedOrder, Flight, Lifecycle
+from deployments.ingress.limits import Admission
 from deployments.llm_outputs import check_dtype
 from deployments.metrics import IngressTelemetry
 from deployments.shutdown import DrainWatch, ShuttingDownError
@@ -48,51 +48,31 @@ class HandleCalls:
         telemetry: IngressTelemetry,
         drain: DrainWatch | None = None,
     ):
-        self.args, self._client, self._decoder = args, client, decoder
-        self._admission, self._telemetry, self._drain = admission, telemetry, drain
+        self.args = args
+        self._lifecycle = Lifecycle(args, client, decoder, admission, telemetry, drain)
 
     async def __call__(self, images, pooling: str | None, llm: str | None) -> list:
         """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`."""
         started = time.perf_counter()
-        telemetry = self._telemetry
         if not isinstance(images, list | tuple):
             images = [images]
-        if self._drain is not None and not self._drain.admitting():  # shutting down: 503, come back elsewhere
-            telemetry.request("handle", "overloaded", len(images), 0, time.perf_counter() - started)
+        if self._lifecycle.refused_draining("handle", len(images), started):  # 503, come back elsewhere
             raise ShuttingDownError(retry_after_s=self.args.retry_after_s)
-        admission, ticket = self._admission, Ticket()
-        outcome, n_images, patches = CLIENT_ERROR, len(images), 0
-        try:
-            admission.reserve_bytes(ticket, sum(_nbytes(x) for x in images))
-            admission.enter(ticket)
+
+        async def body(flight: Flight) -> list:
+            flight.reserve_bytes(sum(_nbytes(x) for x in images))
+            flight.enter()
             if pooling is not None:
                 check_pooling(pooling)
             if llm is not None:
                 check_dtype(llm)
-            if not images:
-                outcome = OK
-                return []
-            async with asyncio.timeout(self.args.request_timeout_s):
-                info = await self._client.info()
-                pooling = pooling or info["default_pooling"]
-                decode_at = time.perf_counter()
-                reserve = partial(admission.reserve_patches, ticket)
-                arrays = await self._decoder.prepare(list(images), info["preprocess_config"], "images", None, reserve)
-                encode_at = time.perf_counter()
-                deadline = time.time() + self.args.request_timeout_s - (time.perf_counter() - started)
-                vectors, patches = await self._client.encode(arrays, pooling, llm, deadline)
-            outcome = OK
-            done = time.perf_counter()
-            telemetry.timings["handle"].add(total=done - started, decode=encode_at - decode_at, encode=done - encode_at)
-            return vectors
-        except EncoderError as e:
-            raise root_cause(e) from None  # the replica's own exception, not Ray's wrapper
-        except asyncio.CancelledError:  # the caller cancelled its call (or went away)
-            outcome = DISCONNECTED
-            raise
-        except Exception as e:
-            outcome = classify(e).error.outcome
-            raise
-        finally:
-            admission.leave(ticket)
-            telemetry.request("handle", outcome, n_images, patches, time.perf_counter() - started)
+            return await self._lifecycle.encode(flight, EmbedOrder(list(images), pooling, llm))
+
+        return await self._lifecycle.run("handle", len(images), body, _failed, started=started)
+
+
+def _failed(e: Exception, flight: Flight, expired: bool) -> tuple[BaseException, str]:
+    """What a handle caller gets: the replica's or the decoder's own exception, not Ray's wrapper."""
+    if isinstance(e, EncoderError):
+        return root_cause(e), CLIENT_ERROR
+    return e, classify(e).error.outcome

@@ -7,7 +7,9 @@ its bytes and the headers' held against the replica's byte budget, admission onc
 headers are read, `max_inflight_patches`), JSON and schema (400 / 422), the model name (404), image count
 (413), pooling and dimensions (400), then the images (`IngressDecoder`: 400 / 413 / 415) and the encoder call
 (`EncoderClient`), all under the request's time limit (504; 408 while the body was arriving). Every error is
-an OpenAI error object (`openai_api.error_response`).
+an OpenAI error object (`openai_api.error_response`). This module parses and answers; admission, decode, the
+deadline, the encoder call and the accounting are the request lifecycle's (`lifecycle.Lifecycle`), shared with
+the handle calls.
 `GET /v1/models`, `GET /health` (`Readiness`: 200 with `status` "ok" or "degraded" while an encoder replica
 can serve; 503 "starting", "unavailable" or "draining").
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 from fastapi import Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -25,10 +26,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from deployments.config import AppArgs
-from deployments.errors import DISCONNECTED, ErrorCode, RequestError, classify, shown
+from deployments.errors import ErrorCode, RequestError, classify, shown
 from deployments.ingress.decoding import IngressDecoder
 from deployments.ingress.encoder_calls import EncoderClient
-from deployments.ingress.limits import Admission, Ticket, check_content_type, header_bytes, read_body
+from deployments.ingress.lifecycle import EmbedOrder, Flight, Lifecycle
+from deployments.ingress.limits import Admission, check_content_type, header_bytes, read_body
 from deployments.ingress.memory import MemoryTrimmer
 from deployments.ingress.openai_api import EmbeddingRequest, embeddings_body, error_response, parse_embedding_request
 from deployments.ingress.readiness import Readiness
@@ -68,11 +70,11 @@ class HttpRoutes:
         pool: ThreadPoolExecutor,
         drain: DrainWatch | None = None,
     ):
-        self.args, self._client, self._decoder, self._admission = args, client, decoder, admission
+        self.args, self._client, self._decoder = args, client, decoder
+        self._lifecycle = Lifecycle(args, client, decoder, admission, telemetry, drain)
         self._auth, self._telemetry, self._pool = auth, telemetry, pool
         self._model_name = args.model_name
         self._created = int(time.time())
-        self._drain = drain
         draining = (lambda: drain.draining) if drain is not None else (lambda: False)
         self.readiness = Readiness(client.info, args.num_replicas, draining)
         self._trimmer = MemoryTrimmer(pool)
@@ -84,67 +86,55 @@ class HttpRoutes:
         return error_response(exc, self.args.retry_after_s), outcome
 
     async def embeddings(self, request: Request) -> Response:
+        """The adapter of `POST /v1/embeddings` to the request lifecycle: the API key, then, under the lifecycle,
+        the body (its bytes admitted as they arrive, the request slot once it is here), the JSON and its checks
+        (model, image count), `Lifecycle.encode`, and the JSON answer; an error becomes an OpenAI error answer."""
         started = time.perf_counter()
-        telemetry = self._telemetry
         try:
             self._auth.check(request.headers.get("authorization"))
         except RequestError as e:
-            telemetry.request("http", "unauthorized", 0, 0, time.perf_counter() - started)
+            self._telemetry.request("http", "unauthorized", 0, 0, time.perf_counter() - started)
             return self._error(e)[0]
-        if self._drain is not None and not self._drain.admitting():
-            telemetry.request("http", "overloaded", 0, 0, time.perf_counter() - started)
+        if self._lifecycle.refused_draining("http", 0, started):
             return self._error(RequestError("the service is shutting down", ErrorCode.SHUTTING_DOWN, None))[0]
-        admission, ticket = self._admission, Ticket()
-        n_images, patches = 0, 0
         reading = True
-        timer = asyncio.timeout(self.args.request_timeout_s)
-        try:
-            async with timer:
-                # bytes first (headers, then the body as it arrives); the request slot only once the body is
-                # here, so a slow body holds bytes it sent, never a slot (issue 17)
-                admission.reserve_bytes(ticket, header_bytes(request))
-                check_content_type(request.headers.get("content-type"), request.headers.get("content-encoding"))
-                body = await read_body(
-                    request, self.args.max_request_bytes, partial(admission.reserve_bytes, ticket),
-                    self.args.body_timeout_s, self.args.body_min_rate,
-                )  # fmt: skip
-                reading = False
-                admission.enter(ticket)
-                if len(body) > _PARSE_INLINE_BYTES:
-                    parsed = await asyncio.get_running_loop().run_in_executor(self._pool, parse_embedding_request, body)
-                else:
-                    parsed = parse_embedding_request(body)
-                del body
-                inputs = [parsed.input] if isinstance(parsed.input, str) else parsed.input
-                n_images = len(inputs)
-                content, patches = await self._embeddings(parsed, inputs, started, ticket)
-            telemetry.request("http", "ok", n_images, patches, time.perf_counter() - started)
-            return Response(content=content, media_type="application/json")
-        except asyncio.CancelledError:  # the client went away (mid-body: `limits.read_body`); Serve cancelled us
-            telemetry.request("http", DISCONNECTED, n_images, patches, time.perf_counter() - started)
-            raise
-        except Exception as e:
+
+        async def body(flight: Flight) -> Response:
+            nonlocal reading
+            # bytes first (headers, then the body as it arrives); the request slot only once the body is
+            # here, so a slow body holds bytes it sent, never a slot (issue 17)
+            flight.reserve_bytes(header_bytes(request))
+            check_content_type(request.headers.get("content-type"), request.headers.get("content-encoding"))
+            raw = await read_body(
+                request, self.args.max_request_bytes, flight.reserve_bytes,
+                self.args.body_timeout_s, self.args.body_min_rate,
+            )  # fmt: skip
+            reading = False
+            flight.enter()
+            if len(raw) > _PARSE_INLINE_BYTES:
+                parsed = await asyncio.get_running_loop().run_in_executor(self._pool, parse_embedding_request, raw)
+            else:
+                parsed = parse_embedding_request(raw)
+            del raw
+            inputs = [parsed.input] if isinstance(parsed.input, str) else parsed.input
+            flight.n_images = len(inputs)
+            return Response(content=await self._embeddings(flight, parsed, inputs), media_type="application/json")
+
+        def on_error(e: Exception, flight: Flight, expired: bool) -> tuple[Response, str]:
             if isinstance(e, ClientDisconnect):  # gone before its body arrived (e.g. short of its Content-Length)
                 e = RequestError(
                     "the client disconnected before its request body arrived", ErrorCode.INVALID_REQUEST, None
                 )
-            if isinstance(e, TimeoutError) and timer.expired():
-                if reading:  # the client did not finish sending its body in time
-                    e = RequestError(
-                        f"the request body did not arrive within {self.args.request_timeout_s:g}s",
-                        ErrorCode.REQUEST_TIMEOUT, None,
-                    )  # fmt: skip
-            response, outcome = self._error(e)
-            telemetry.request("http", outcome, n_images, patches, time.perf_counter() - started)
-            return response
-        finally:
-            held = ticket.bytes
-            admission.leave(ticket)
-            self._trimmer.trim_after(held)
+            if isinstance(e, TimeoutError) and expired and reading:  # the body did not arrive in time
+                e = RequestError(
+                    f"the request body did not arrive within {self.args.request_timeout_s:g}s",
+                    ErrorCode.REQUEST_TIMEOUT, None,
+                )  # fmt: skip
+            return self._error(e)
 
-    async def _embeddings(
-        self, body: EmbeddingRequest, inputs: list[str], started: float, ticket: Ticket
-    ) -> tuple[bytes, int]:
+        return await self._lifecycle.run("http", 0, body, on_error, self._trimmer.trim_after, started)
+
+    async def _embeddings(self, flight: Flight, body: EmbeddingRequest, inputs: list[str]) -> bytes:
         a = self.args
         if body.model is not None and body.model != self._model_name:
             raise self._unknown_model(body.model)
@@ -152,43 +142,22 @@ class HttpRoutes:
             raise RequestError(
                 f"{len(inputs)} images in one request; the limit is {a.max_request_images}", ErrorCode.TOO_MANY_IMAGES
             )
-        info = await self._client.info()
-        pooling = body.pooling or info["default_pooling"]
-        dim = info["output_dims"].get(pooling)
-        if dim is None:
-            raise RequestError(
-                f"pooling {pooling!r} is not offered by the served model {self._model_name!r}; its poolings: "
-                f"{', '.join(info['output_dims'])}",
-                ErrorCode.INVALID_POOLING, "pooling",
-            )  # fmt: skip
-        if body.dimensions is not None and body.dimensions != dim:
-            raise RequestError(
-                f"dimensions={body.dimensions} is not supported; this model outputs {dim} with pooling={pooling}",
-                ErrorCode.INVALID_DIMENSIONS, "dimensions",
-            )  # fmt: skip
-        decode_at = time.perf_counter()
-        reserve = partial(self._admission.reserve_patches, ticket)
-        arrays = await self._decoder.prepare(inputs, info["preprocess_config"], "input", a.max_request_patches, reserve)
-        encode_at = time.perf_counter()
         # pooling none: the LLM-ready outputs (tokens, DeepStack, patch grid), cast on the replica to the
         # base64 element type (a bfloat16 answer crosses from the replica at half the bytes)
         dtype = body.embedding_dtype
-        llm = dtype if pooling == "none" else None
-        deadline = time.time() + a.request_timeout_s - (time.perf_counter() - started)
-        vectors, patches = await self._client.encode(arrays, pooling, llm, deadline)
+        order = EmbedOrder(
+            inputs, body.pooling, dtype if body.pooling == "none" else None, body.dimensions, "input",
+            a.max_request_patches,
+        )  # fmt: skip
+        vectors = await self._lifecycle.encode(flight, order)
         answer_at = time.perf_counter()
-        del arrays
-        args = (vectors, body.encoding_format, self._model_name, patches, dtype)
+        args = (vectors, body.encoding_format, self._model_name, flight.patches, dtype)
         if _answer_cost(vectors, body.encoding_format) > _ANSWER_INLINE:  # keep big encodes off the event loop
             content = await asyncio.get_running_loop().run_in_executor(self._pool, embeddings_body, *args)
         else:
             content = embeddings_body(*args)
-        done = time.perf_counter()
-        self._telemetry.timings["http"].add(
-            total=done - started, parse=decode_at - started, decode=encode_at - decode_at,
-            encode=answer_at - encode_at, answer=done - answer_at,
-        )  # fmt: skip
-        return content, patches
+        flight.phases.update(parse=flight.decode_at - flight.started, answer=time.perf_counter() - answer_at)
+        return content
 
     def _refused(self, request: Request) -> Response | None:
         """The 401 answer when an API key is set and `request` lacks it, else None."""

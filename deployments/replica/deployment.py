@@ -28,6 +28,7 @@ from deployments.config import AppArgs, replica_plan, resolve_device, resolve_nu
 from deployments.llm_outputs import WireLLM, check_dtype
 from deployments.metrics import ReplicaMetrics
 from deployments.routing.stats import BucketRoutingStats
+from deployments.wire import EncodeRequest
 from encoder.errors import EncoderError, InvalidArgumentError
 from encoder.poolings import POOLINGS, check_pooling
 
@@ -35,7 +36,7 @@ from encoder.poolings import POOLINGS, check_pooling
 # methods, which run in the replica's own process: a driver that only builds the application (`serve run`,
 # the launcher, a test) imports this module for the class and would pay ~3 s of CPU for torch it never uses.
 if TYPE_CHECKING:
-    from deployments.replica.pipeline import DevicePipeline, Work
+    from deployments.replica.pipeline import DevicePipeline
 
 logger = logging.getLogger("ray.serve")
 
@@ -99,7 +100,10 @@ class EncoderReplica:
         # DeepStack layers of the LLM-ready outputs (0 for towers without), from one tiny encode
         probe = stack_patchify(probe_pixels(self.pp), self.pp, self.device)
         self.deepstack_layers = len(self.engine.encode_llm(probe)[0].deepstack)
-        self.default_pooling = vector_pooling(vision.config)
+        # the service's one-vector default (`encoder.api.vector_pooling`; not `VisionEncoder.default_pooling`,
+        # which is the library's "none" for the Qwen towers) and the poolings this model supports, with their sizes
+        self.vector_pooling = vector_pooling(vision.config)
+        self.output_dims = {p: vision.output_dim(p) for p in POOLINGS if self._supports(p)}
         stats = self.engine.stats()
         self.metrics.captured.set(stats["captures"])
         self.ready = True
@@ -110,7 +114,7 @@ class EncoderReplica:
         self,
         pixels,
         *,
-        pooling: str = "mean",
+        pooling: str | None = None,
         num_patches: int | None = None,
         num_images: int | None = None,
         deadline: float | None = None,
@@ -118,15 +122,18 @@ class EncoderReplica:
         """Encode resized uint8 images ([H, W, 3], sides multiples of patch*merge: `resize_image` output).
 
         Returns one float32 array per image: [out_dim] for `pooling="mean"`, [tokens, out_dim] for
-        `"none"`. `num_patches` (total patches of the request) and `num_images` are what routers read; when
-        given they must match the pixels. `deadline` (`time.time()`, the caller's request deadline): the work is
-        dropped, with `TimeoutError`, if it has not started by then (`replica_pipeline.DevicePipeline`).
+        `"none"`; `pooling=None` is the service's vector pooling (`describe()["vector_pooling"]`). The ingress
+        sends a resolved pooling; the replica only checks that this model supports it (an unsupported one
+        would fail the whole batch it joined). `num_patches` (total patches of the request) and `num_images`
+        are what routers read; when given they must match the pixels. `deadline` (`time.time()`, the caller's
+        request deadline): the work is dropped, with `TimeoutError`, if it has not started by then
+        (`replica.pipeline.DevicePipeline`).
         """
-        from deployments.replica.pipeline import Work, check_pixels
+        from deployments.replica.pipeline import check_pixels
 
         entered = time.perf_counter()
-        check_pooling(pooling)
-        work = Work(*check_pixels(pixels, self.pp), pooling, deadline=deadline)
+        pooling = self._pooling(pooling)
+        work = EncodeRequest(*check_pixels(pixels, self.pp), pooling, deadline=deadline)
         return await self._encode(work, num_patches, num_images, entered)
 
     async def encode_llm_pixels(
@@ -142,14 +149,16 @@ class EncoderReplica:
         per image `(tokens [n, out_dim], [DeepStack layer [n, out_dim], ...], (t, h, w))`, the arrays in the
         wire `dtype` (`deployments.llm_outputs`: float32, float16, or bfloat16 bit patterns as uint16),
         converted in the results thread. `[]` DeepStack layers for towers without them."""
-        from deployments.replica.pipeline import Work, check_pixels
+        from deployments.replica.pipeline import check_pixels
 
         entered = time.perf_counter()
         check_dtype(dtype)
-        work = Work(*check_pixels(pixels, self.pp), "none", dtype, deadline=deadline)
+        work = EncodeRequest(*check_pixels(pixels, self.pp), "none", dtype, deadline=deadline)
         return await self._encode(work, num_patches, num_images, entered)
 
-    async def _encode(self, work: Work, num_patches: int | None, num_images: int | None, entered: float) -> list:
+    async def _encode(
+        self, work: EncodeRequest, num_patches: int | None, num_images: int | None, entered: float
+    ) -> list:
         if num_patches is not None and int(num_patches) != work.patches:
             raise InvalidArgumentError(f"num_patches={num_patches} but the pixels have {work.patches} patches")
         if num_images is not None and int(num_images) != len(work.arrays):
@@ -191,6 +200,17 @@ class EncoderReplica:
         if pipeline is not None:
             pipeline.shutdown()
 
+    def _pooling(self, pooling: str | None) -> str:
+        """`pooling`, or the vector pooling when None; refused unless this model supports it."""
+        if pooling is None:
+            return self.vector_pooling
+        if pooling not in self.output_dims:
+            check_pooling(pooling)  # an unknown name: that message
+            raise InvalidArgumentError(
+                f"pooling {pooling!r} is not supported by this model; supported: {', '.join(self.output_dims)}"
+            )
+        return pooling
+
     def _supports(self, pooling: str) -> bool:
         try:
             self.engine.encoder.resolve_pooling(pooling)
@@ -204,8 +224,8 @@ class EncoderReplica:
         return {
             "model": vision.name,
             "out_dim": vision.out_dim,
-            "default_pooling": self.default_pooling,
-            "output_dims": {p: vision.output_dim(p) for p in POOLINGS if self._supports(p)},
+            "vector_pooling": self.vector_pooling,
+            "output_dims": dict(self.output_dims),
             "deepstack_layers": self.deepstack_layers,
             "device": str(self.device),
             "dtype": str(vision.dtype).removeprefix("torch."),

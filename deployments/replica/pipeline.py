@@ -1,14 +1,15 @@
 """An encoder replica's batching and device pipeline.
 
-`DevicePipeline.submit(work)` queues one request; a batcher merges queued requests (from any number of
-callers) into one batch of at most `max_batch_patches` patches / `max_batch_images` images
-(`batcher="continuous"`: `deployments.batching.ContinuousBatcher`, a batch is whatever waits when a slot
-frees; `batcher="serve"`: `@serve.batch` with a patch-counting `batch_size_fn`). A batch runs in two
-threads, never on the event loop (which keeps answering the router's queue-length probes): the device
-thread uploads the uint8 pixels, normalises and patchifies them on the device and queues one
-`GraphEncoder.encode_async` (the bucket replays); the results thread waits for that device work and splits
-the outputs per request. With `pipeline_depth` 2 the device thread prepares batch N+1 while batch N
-replays, so the GPU does not idle through the host's part of every batch.
+`DevicePipeline.submit(work)` queues one request (a `deployments.wire.EncodeRequest`); a batcher merges
+queued requests (from any number of callers) into one batch of at most `max_batch_patches` patches /
+`max_batch_images` images (`batcher="continuous"`: `deployments.batching.ContinuousBatcher`, a batch is
+whatever waits when a slot frees; `batcher="serve"`: `@serve.batch` with a patch-counting `batch_size_fn`).
+A batch runs in two threads, never on the event loop (which keeps answering the router's queue-length
+probes): the device thread uploads the uint8 pixels, normalises and patchifies them on the device and
+queues one `GraphEncoder.encode_async` per output form in the batch (`wire.group`; the bucket replays); the
+results thread waits for that device work and splits the outputs per request. With `pipeline_depth` 2 the
+device thread prepares batch N+1 while batch N replays, so the GPU does not idle through the host's part of
+every batch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,29 +28,13 @@ from deployments.batching import ContinuousBatcher
 from deployments.llm_outputs import wire_outputs, wire_torch_dtype
 from deployments.metrics import RecentTimings, ReplicaMetrics
 from deployments.replica.health import sticky_device_error
+from deployments.wire import EncodeRequest, group
 from encoder.errors import EncoderError, InvalidArgumentError, InvalidImageError
 from encoder.patchify import stack_patchify
 from encoder.preprocessing.config import ProcessorConfig
 from workspace import GraphEncoder
 from workspace.buckets import BucketTable
 from workspace.tables import BucketPlan
-
-
-@dataclass
-class Work:
-    """One request inside the replica."""
-
-    arrays: list[np.ndarray]  # uint8 [H, W, 3], sides multiples of patch_size * merge_size
-    counts: list[int]  # patches per image
-    pooling: str
-    llm: str | None = None  # LLM-ready outputs in this wire dtype (`deployments.llm_outputs`) instead of pooling
-    deadline: float | None = None  # time.time() of the caller's deadline: not started by then, it is dropped
-    queued_at: float = field(default_factory=time.perf_counter)
-
-    @property
-    def patches(self) -> int:
-        return sum(self.counts)
-
 
 # Wall clocks of the ingress and encoder hosts may differ a little: the encoder drops work only this long
 # after its deadline (the ingress has cancelled it by then anyway; this is the backstop for a lost cancel
@@ -69,11 +53,11 @@ def engine_delta(before: dict, after: dict) -> dict:
     }
 
 
-def _expired(work: Work) -> bool:
+def _expired(work: EncodeRequest) -> bool:
     return work.deadline is not None and time.time() > work.deadline + _DEADLINE_GRACE_S
 
 
-def _expired_error(work: Work) -> TimeoutError:
+def _expired_error(work: EncodeRequest) -> TimeoutError:
     return TimeoutError(f"the request's deadline passed {time.time() - work.deadline:.1f}s ago; dropped unrun")
 
 
@@ -98,7 +82,7 @@ def check_pixels(pixels, pp: ProcessorConfig) -> tuple[list[np.ndarray], list[in
     return arrays, counts
 
 
-def best_prefix(works: list[Work], table: BucketTable, fixed_cost: int) -> int:
+def best_prefix(works: list[EncodeRequest], table: BucketTable, fixed_cost: int) -> int:
     """How many of the queued `works` (in order) the next batch takes: the prefix with the most patches per
     (fixed cost + the budget of the bucket it replays), longer on ties. 17 224x224 images (4352 patches)
     would replay the 8192 bucket at the cost of 32, so the batch takes 16 (4096, no padding) and the 17th
@@ -169,13 +153,13 @@ class DevicePipeline:
     def _units(self, patches: int, images: int) -> int:
         return max(-(-patches * self.max_batch_images // self.max_batch_patches), images)
 
-    def _batch_units(self, works: list[Work]) -> int:
+    def _batch_units(self, works: list[EncodeRequest]) -> int:
         return self._units(sum(w.patches for w in works), sum(len(w.counts) for w in works))
 
     def _fits(self, patches: int, images: int) -> bool:
         return patches <= self.max_batch_patches and images <= self.max_batch_images
 
-    def _keep(self, works: list[Work]) -> int:
+    def _keep(self, works: list[EncodeRequest]) -> int:
         return best_prefix(works, self.engine.table, self._fixed_cost)
 
     def _bucket_label(self, patches: int, images: int) -> str:
@@ -183,7 +167,7 @@ class DevicePipeline:
         return str(key.budget) if key is not None else "over"
 
     # -- requests -------------------------------------------------------------------------------------------
-    async def submit(self, work: Work, entered: float) -> list:
+    async def submit(self, work: EncodeRequest, entered: float) -> list:
         """The request's outputs, per image (`entered`: when the request reached the replica)."""
         total, images = work.patches, len(work.counts)
         label = self._bucket_label(total, images)
@@ -222,7 +206,7 @@ class DevicePipeline:
         return await asyncio.get_running_loop().run_in_executor(self._device_thread, fn, *args)
 
     # -- one batch ------------------------------------------------------------------------------------------
-    async def _run_batch(self, works: list[Work]) -> list[list[np.ndarray]]:
+    async def _run_batch(self, works: list[EncodeRequest]) -> list[list[np.ndarray]]:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
@@ -267,7 +251,7 @@ class DevicePipeline:
             self._results_thread.submit(launched.result()[0])
 
     @torch.inference_mode()
-    def _launch(self, works: list[Work]):
+    def _launch(self, works: list[EncodeRequest]):
         """Device thread: upload, patchify and queue the replays of one batch (one engine call per pooling mode
         or LLM wire dtype in it, usually one). Returns (a callable that waits for the outputs and splits them
         per request, the seconds spent here, and what the engine's counters gained from this batch alone: the
@@ -276,31 +260,24 @@ class DevicePipeline:
             self._before_launch()
         started = time.perf_counter()
         before = self.engine.stats()
-        modes: dict[tuple[str, str | None], list[int]] = {}
-        for i, w in enumerate(works):
-            modes.setdefault((w.pooling, w.llm), []).append(i)
+        groups = group(works)  # one engine call per output form (pooling or LLM wire dtype), usually one
         pending = []
-        for (pooling, llm), members in modes.items():
-            arrays = [a for i in members for a in works[i].arrays]
-            batch = stack_patchify(arrays, self.pp, self.device)
-            if llm is None:
-                p = self.engine.encode_async(batch, pooling)
+        for g in groups:
+            batch = stack_patchify(g.merged.arrays, self.pp, self.device)
+            if g.merged.llm is None:
+                p = self.engine.encode_async(batch, g.merged.pooling)
             else:  # 16-bit wire types are cast on the device: half the bytes to copy, no host cast
-                p = self.engine.encode_llm_async(batch, wire_torch_dtype(llm))
-            pending.append((members, llm, p))
+                p = self.engine.encode_llm_async(batch, wire_torch_dtype(g.merged.llm))
+            pending.append((g, p))
 
         def finish() -> list[list]:  # results thread
             out: list[list | None] = [None] * len(works)
-            for members, llm, p in pending:
-                outputs, pos = p.result(), 0
-                if llm is None:
-                    outputs = [v.numpy() for v in outputs]
+            for g, p in pending:
+                if g.merged.llm is None:
+                    outputs = [v.numpy() for v in p.result()]
                 else:  # numpy views of the host buffer, already in the wire dtype (no copy)
-                    outputs = wire_outputs(outputs, llm)
-                for i in members:
-                    n = len(works[i].arrays)
-                    out[i] = outputs[pos : pos + n]
-                    pos += n
+                    outputs = wire_outputs(p.result(), g.merged.llm)
+                g.scatter(outputs, works, out)
             return out
 
         return finish, time.perf_counter() - started, engine_delta(before, self.engine.stats())

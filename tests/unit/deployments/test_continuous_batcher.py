@@ -9,12 +9,12 @@ import asyncio
 import numpy as np
 
 from deployments.batching import ContinuousBatcher
-from deployments.replica.pipeline import Work
+from deployments.wire import EncodeRequest
 from encoder.errors import InvalidArgumentError
 
 
-def _work(patches: int, images: int = 1, tag: str = "") -> Work:
-    return Work([np.zeros((1, 1, 3), np.uint8)] * images, [patches // images] * images, tag or "mean")
+def _work(patches: int, images: int = 1, tag: str = "") -> EncodeRequest:
+    return EncodeRequest([np.zeros((1, 1, 3), np.uint8)] * images, [patches // images] * images, tag or "mean")
 
 
 def test_continuous_batcher_merges_waiting_requests_within_limits():

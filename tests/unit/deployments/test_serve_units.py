@@ -20,7 +20,8 @@ from deployments.ingress.inputs import finish_input, open_input, parse_image_str
 from deployments.ingress.openai_api import embeddings_body
 from deployments.ingress.readiness import encoder_ready
 from deployments.preflight import AppConfigError
-from deployments.replica.pipeline import Work, best_prefix, check_pixels
+from deployments.replica.pipeline import best_prefix, check_pixels
+from deployments.wire import EncodeRequest
 from encoder.errors import (
     ConfigError,
     EncoderError,
@@ -275,8 +276,8 @@ def test_stack_patchify_equals_per_image_patchify():
     assert torch.equal(got.pixel_values, want.pixel_values)
 
 
-def _work(patches: int, images: int = 1, tag: str = "") -> Work:
-    return Work([np.zeros((1, 1, 3), np.uint8)] * images, [patches // images] * images, tag or "mean")
+def _work(patches: int, images: int = 1, tag: str = "") -> EncodeRequest:
+    return EncodeRequest([np.zeros((1, 1, 3), np.uint8)] * images, [patches // images] * images, tag or "mean")
 
 
 def test_replica_keeps_the_prefix_with_the_best_patches_per_replay_cost():

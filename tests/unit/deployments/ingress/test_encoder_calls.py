@@ -148,13 +148,16 @@ def test_merged_callers_each_get_their_own_images_and_the_call_lives_until_the_l
     """Calls merged into one encoder request: a 2-image caller followed by a 1-image one get outputs 0-1 and 2 (by
     image count, not by caller), and the request is sent with the latest of their deadlines (an earlier one would
     have the encoder drop work a caller still waits for)."""
-    from deployments.ingress.encoder_calls import Call
+    from deployments.wire import EncodeRequest
 
     SENT_KWARGS.clear()
     client = EncoderClient(_Echo([]), AppArgs(ingress_batch_size=8), IngressTelemetry())
     a, b, c, d = (np.full((56, 56, 3), i, np.uint8) for i in range(4))
-    calls = [Call([a, b], [16, 16], "mean", deadline=100.0), Call([c], [16], "mean", deadline=300.0)]
-    calls.append(Call([d], [16], "mean", deadline=200.0))
+    calls = [
+        EncodeRequest([a, b], [16, 16], "mean", deadline=100.0),
+        EncodeRequest([c], [16], "mean", deadline=300.0),
+        EncodeRequest([d], [16], "mean", deadline=200.0),
+    ]
     out = asyncio.run(client._run_merged(calls))
     assert [[int(x[0, 0, 0]) for x in o] for o in out] == [[0, 1], [2], [3]]
     assert [kw["deadline"] for kw in SENT_KWARGS] == [300.0]

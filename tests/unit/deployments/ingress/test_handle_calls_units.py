@@ -20,7 +20,7 @@ class FakeClient:
         self.calls = []
 
     async def info(self) -> dict:
-        return {"default_pooling": "model", "output_dims": {"model": 4}, "preprocess_config": None}
+        return {"vector_pooling": "model", "output_dims": {"model": 4, "mean": 4}, "preprocess_config": None}
 
     async def encode(self, arrays, pooling, llm, deadline):
         self.calls.append((len(arrays), pooling, llm))
@@ -53,3 +53,37 @@ def test_a_bad_pooling_or_dtype_is_refused_even_without_images(pooling, llm):
     with pytest.raises(InvalidArgumentError):
         asyncio.run(h([], pooling, llm))
     assert asyncio.run(h([], "none", "bfloat16")) == [] and client.calls == []
+
+
+def test_a_pooling_the_model_lacks_is_refused_at_the_ingress_and_everything_is_released():
+    """The lifecycle resolves pooling once, against the model (`describe()["output_dims"]`): "none" on a model
+    without it never reaches the encoder; the request's slot and bytes are released, its outcome counted."""
+    h, client = handle()
+    with pytest.raises(InvalidArgumentError, match="pooling 'none' is not offered by the served model"):
+        asyncio.run(h([b"a"], "none", None))
+    assert client.calls == []
+    admission = h._lifecycle._admission
+    assert (admission.inflight, admission.bytes, admission.patches) == (0, 0, 0)
+
+
+def test_a_cancelled_call_releases_what_it_held():
+    h, client = handle()
+
+    async def hang(arrays, pooling, llm, deadline):
+        await asyncio.sleep(60)
+
+    client.encode = hang
+
+    async def main():
+        task = asyncio.create_task(h([b"abc"], None, None))
+        await asyncio.sleep(0.05)
+        admission = h._lifecycle._admission
+        assert (admission.inflight, admission.bytes) == (1, 3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return admission
+
+    admission = asyncio.run(main())
+    assert (admission.inflight, admission.bytes, admission.patches) == (0, 0, 0)
+    assert h._lifecycle._telemetry.counts["disconnected"] == 1

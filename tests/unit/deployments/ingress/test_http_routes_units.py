@@ -26,7 +26,7 @@ class FakeClient:
     """The encoder: per image a [4] vector (pooled) or a 2 x 4 token matrix in the wire dtype (pooling none)."""
 
     async def info(self) -> dict:
-        return {"default_pooling": "mean", "output_dims": DIMS, "preprocess_config": None}
+        return {"vector_pooling": "mean", "output_dims": DIMS, "preprocess_config": None}
 
     async def encode(self, arrays, pooling, llm, deadline):
         if llm is None:

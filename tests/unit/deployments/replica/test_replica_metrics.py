@@ -11,7 +11,8 @@ import numpy as np
 import encoder
 from deployments.config import AppArgs, replica_plan
 from deployments.replica.health import probe_pixels
-from deployments.replica.pipeline import DevicePipeline, Work, check_pixels, engine_delta
+from deployments.replica.pipeline import DevicePipeline, check_pixels, engine_delta
+from deployments.wire import EncodeRequest
 from encoder.patchify import stack_patchify
 from tests.images_util import random_array
 from workspace import GraphEncoder
@@ -61,7 +62,7 @@ def test_a_batch_counts_its_own_replays_not_the_health_probes():
     async def main():
         for _ in range(3):  # what the health probe does between batches, in the device thread
             await pipeline.on_device_thread(engine.encode, probe, "mean")
-        work = Work(*check_pixels([image], pp), "mean")
+        work = EncodeRequest(*check_pixels([image], pp), "mean")
         return await pipeline.submit(work, 0.0)
 
     before = engine.stats()
@@ -114,7 +115,7 @@ def test_work_past_its_deadline_is_dropped_unrun_by_the_replica():
     image = random_array(pp.factor * 2, pp.factor * 2, 3, seed=6)
 
     def submit(deadline: float):
-        return asyncio.run(pipeline.submit(Work(*check_pixels([image], pp), "mean", deadline=deadline), 0.0))
+        return asyncio.run(pipeline.submit(EncodeRequest(*check_pixels([image], pp), "mean", deadline=deadline), 0.0))
 
     try:
         with pytest.raises(TimeoutError, match="dropped unrun"):
@@ -136,9 +137,9 @@ def test_each_request_of_a_merged_batch_gets_its_own_images_outputs():
     requests = [images[:1], images[1:3], images[3:4], images[4:5]]  # the first runs alone, the rest queue behind it
 
     async def main():
-        works = [Work(*check_pixels(r, pp), "mean") for r in requests]
+        works = [EncodeRequest(*check_pixels(r, pp), "mean") for r in requests]
         merged = await asyncio.gather(*(pipeline.submit(w, 0.0) for w in works))
-        alone = [(await pipeline.submit(Work(*check_pixels([x], pp), "mean"), 0.0))[0] for x in images]
+        alone = [(await pipeline.submit(EncodeRequest(*check_pixels([x], pp), "mean"), 0.0))[0] for x in images]
         return merged, alone
 
     try:

@@ -1,0 +1,168 @@
+"""One request's life in the ingress, written once for both ways in (HTTP routes and handle calls).
+
+`Lifecycle.run(route, n_images, body, on_error)` holds the request: its admission ticket (`limits.Admission`:
+bytes, the request slot, patches), its time limit (`request_timeout_s`), and its accounting
+(`metrics.IngressTelemetry`: the request's outcome, images, patches and latency; the phases of the last
+requests), released and recorded on every path (an answer, an error, a cancelled call or a client gone).
+`body(flight)` is the adapter's part under the time limit: it reserves what its input holds
+(`Flight.reserve_bytes`), takes the slot (`Flight.enter`), parses its input into an `EmbedOrder` and calls
+`Lifecycle.encode(flight, order)`: pooling resolved once (None: the service's vector pooling for this model,
+`describe()["vector_pooling"]`; else one this model supports, 400 `invalid_pooling`) and the output size
+checked, the images opened, admitted by patches and decoded (`decoding.IngressDecoder`), then the encoder call
+(`encoder_calls.EncoderClient`) with the request's deadline. `on_error(exc, flight, expired)` shapes a failure
+as its way in answers one (an HTTP error answer, or the exception a handle caller gets) with its outcome.
+`refused_draining` answers for both while the service shuts down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
+
+from deployments.config import AppArgs
+from deployments.errors import DISCONNECTED, OK, OVERLOADED, ErrorCode, RequestError
+from deployments.ingress.decoding import IngressDecoder
+from deployments.ingress.encoder_calls import EncoderClient
+from deployments.ingress.limits import Admission, Ticket
+from deployments.metrics import IngressTelemetry
+from deployments.shutdown import DrainWatch
+
+T = TypeVar("T")
+
+
+@dataclass
+class EmbedOrder:
+    """A parsed request, as either way in hands it to the lifecycle."""
+
+    images: list
+    pooling: str | None = None  # as asked (a known name); None: the service's vector pooling for this model
+    llm: str | None = None  # the LLM-ready outputs in this wire dtype instead of pooled vectors (pooling "none")
+    dimensions: int | None = None  # the output size the caller expects (HTTP's `dimensions`), checked
+    label: str = "images"  # how errors name an input: "input" (HTTP), "images" (handle)
+    max_patches: int | None = None  # the request's patch limit (HTTP's; none for handle calls)
+
+
+def resolve_pooling(pooling: str | None, info: dict, model_name: str) -> str:
+    """The request's pooling: None is the service's vector pooling for this model; else one it supports."""
+    pooling = pooling or info["vector_pooling"]
+    if pooling not in info["output_dims"]:
+        raise RequestError(
+            f"pooling {pooling!r} is not offered by the served model {model_name!r}; its poolings: "
+            f"{', '.join(info['output_dims'])}",
+            ErrorCode.INVALID_POOLING, "pooling",
+        )  # fmt: skip
+    return pooling
+
+
+class Flight:
+    """What one request holds and has done: its admission ticket, images, patches and phase timings."""
+
+    def __init__(self, admission: Admission, n_images: int) -> None:
+        self.started = time.perf_counter()
+        self.ticket = Ticket()
+        self.n_images, self.patches = n_images, 0
+        self.phases: dict[str, float] = {}  # seconds per phase, recorded when the request succeeds
+        self.decode_at = self.started  # when the images started to open
+        self._admission = admission
+
+    def reserve_bytes(self, n: int) -> None:
+        self._admission.reserve_bytes(self.ticket, n)
+
+    def enter(self) -> None:
+        """Take a request slot (429 when this replica is full)."""
+        self._admission.enter(self.ticket)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+class Lifecycle:
+    """Admission, decode, deadline, encoder call and accounting of this ingress replica's requests."""
+
+    def __init__(
+        self,
+        args: AppArgs,
+        client: EncoderClient,
+        decoder: IngressDecoder,
+        admission: Admission,
+        telemetry: IngressTelemetry,
+        drain: DrainWatch | None = None,
+    ):
+        self.args, self._client, self._decoder = args, client, decoder
+        self._admission, self._telemetry, self._drain = admission, telemetry, drain
+
+    def refused_draining(self, route: str, n_images: int, started: float) -> bool:
+        """True (and counted, outcome overloaded) while the service shuts down: the caller gets a 503."""
+        if self._drain is None or self._drain.admitting():
+            return False
+        self._telemetry.request(route, OVERLOADED, n_images, 0, time.perf_counter() - started)
+        return True
+
+    async def run(
+        self,
+        route: str,
+        n_images: int,
+        body: Callable[[Flight], Awaitable[T]],
+        on_error: Callable[[Exception, Flight, bool], tuple[T | BaseException, str]],
+        released: Callable[[int], None] | None = None,
+        started: float | None = None,
+    ) -> T:
+        """`body(flight)` under the request's time limit, with everything it holds released and its outcome
+        recorded whatever happens. A failure goes to `on_error(exc, flight, expired)` (`expired`: the time limit
+        passed), which returns the answer (or the exception to raise) and the outcome. `released(bytes)`: called
+        last with the bytes the request held."""
+        flight = Flight(self._admission, n_images)
+        if started is not None:
+            flight.started = flight.decode_at = started
+        outcome = OK
+        timer = asyncio.timeout(self.args.request_timeout_s)
+        try:
+            async with timer:
+                result = await body(flight)
+            if flight.phases:  # it reached the encoder (not an empty handle call)
+                self._telemetry.timings[route].add(total=flight.elapsed(), **flight.phases)
+            return result
+        except asyncio.CancelledError:  # the caller went away (HTTP client, handle call cancelled)
+            outcome = DISCONNECTED
+            raise
+        except Exception as e:
+            answer, outcome = on_error(e, flight, timer.expired())
+            if isinstance(answer, BaseException):
+                if answer is e:
+                    raise
+                raise answer from None
+            return answer
+        finally:
+            held = flight.ticket.bytes
+            self._admission.leave(flight.ticket)
+            self._telemetry.request(route, outcome, flight.n_images, flight.patches, flight.elapsed())
+            if released is not None:
+                released(held)
+
+    async def encode(self, flight: Flight, order: EmbedOrder) -> list:
+        """Per image of `order` its output: pooling resolved, images decoded (patches admitted), the encoder
+        call with the request's deadline. Records the decode and encode phases and the request's patches."""
+        if not order.images:
+            return []
+        info = await self._client.info()
+        pooling = resolve_pooling(order.pooling, info, self.args.model_name)
+        dim = info["output_dims"][pooling]
+        if order.dimensions is not None and order.dimensions != dim:
+            raise RequestError(
+                f"dimensions={order.dimensions} is not supported; this model outputs {dim} with pooling={pooling}",
+                ErrorCode.INVALID_DIMENSIONS, "dimensions",
+            )  # fmt: skip
+        flight.decode_at = decode_at = time.perf_counter()
+        reserve = partial(self._admission.reserve_patches, flight.ticket)
+        pp = info["preprocess_config"]
+        arrays = await self._decoder.prepare(order.images, pp, order.label, order.max_patches, reserve)
+        encode_at = time.perf_counter()
+        deadline = time.time() + self.args.request_timeout_s - flight.elapsed()
+        outputs, flight.patches = await self._client.encode(arrays, pooling, order.llm, deadline)
+        del arrays
+        flight.phases.update(decode=encode_at - decode_at, encode=time.perf_counter() - encode_at)
+        return outputs

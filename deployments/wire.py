@@ -1,0 +1,95 @@
+"""The request record from the ingress to the encoder replica, and the one way records are grouped.
+
+`EncodeRequest` is one request as both sides hold it: resized uint8 images, their patch counts, the output form
+(`pooling`, already resolved: never None; `llm`: the LLM-ready outputs in that wire dtype instead of pooled
+vectors, with pooling "none") and the caller's deadline. The ingress makes one per caller
+(`ingress.encoder_calls.EncoderClient`), merges callers' records into one encoder call and cuts a big one into
+packs (`pack`); each goes over the wire as `call()` says: `encode_pixels(pixels, pooling=..., num_patches=n,
+num_images=k, deadline=d)` or `encode_llm_pixels(pixels, dtype=..., ...)` (routers read `num_patches` and
+`num_images` from the keyword arguments without deserialising the pixels). The replica makes the same record from
+the pixels it checked (`replica.deployment.EncoderReplica`) and batches records (`replica.pipeline`).
+
+`group(requests)`: records merged by output form, on both sides: the ingress sends one encoder call per form
+of the callers it merged, the replica runs one engine call per form of a batch; `Group.scatter` hands the
+merged outputs (one per image) back to each record by its image count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+@dataclass
+class EncodeRequest:
+    """One request's images and the output they want (see the module docstring)."""
+
+    arrays: list[np.ndarray]  # uint8 [H, W, 3], sides multiples of patch_size * merge_size
+    counts: list[int]  # patches per image
+    pooling: str  # resolved (the ingress resolves a request's None to the service's vector pooling)
+    llm: str | None = None  # LLM-ready outputs in this wire dtype (`deployments.llm_outputs`) instead of pooling
+    deadline: float | None = None  # time.time() past which nobody waits for it (the replica drops it unrun)
+    queued_at: float = field(default_factory=time.perf_counter)  # made (in the replica: entered its queue)
+
+    @property
+    def patches(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def images(self) -> int:
+        return len(self.counts)
+
+    @property
+    def form(self) -> tuple[str, str | None]:
+        """What its outputs are: records of one form run in one encoder call."""
+        return self.pooling, self.llm
+
+    def pack(self, start: int, end: int) -> EncodeRequest:
+        """Images [start, end) as a request of their own (same form and deadline)."""
+        return EncodeRequest(self.arrays[start:end], self.counts[start:end], self.pooling, self.llm, self.deadline)
+
+    def call(self) -> tuple[str, dict[str, Any]]:
+        """The encoder replica's method and its keyword arguments for this request (the pixels go positionally)."""
+        size = {"num_patches": self.patches, "num_images": self.images, "deadline": self.deadline}
+        if self.llm is not None:
+            return "encode_llm_pixels", {"dtype": self.llm, **size}
+        return "encode_pixels", {"pooling": self.pooling, **size}
+
+
+class Group(NamedTuple):
+    """Records of one output form, merged: `members` (their positions) and `merged` (all their images, in order)."""
+
+    members: list[int]
+    merged: EncodeRequest
+
+    def scatter(self, outputs: Sequence, requests: Sequence[EncodeRequest], into: list) -> None:
+        """`outputs` of `merged` (one per image, in order) into `into[i]` for each member i, by its image count."""
+        pos = 0
+        for i in self.members:
+            n = requests[i].images
+            into[i] = outputs[pos : pos + n]
+            pos += n
+
+
+def group(requests: Sequence[EncodeRequest]) -> list[Group]:
+    """`requests` grouped by output form, in order of first appearance; a group's merged request is wanted until
+    its last member's deadline (none when a member has none)."""
+    forms: dict[tuple[str, str | None], list[int]] = {}
+    for i, r in enumerate(requests):
+        forms.setdefault(r.form, []).append(i)
+    groups = []
+    for (pooling, llm), members in forms.items():
+        deadlines = [requests[i].deadline for i in members]
+        merged = EncodeRequest(
+            [x for i in members for x in requests[i].arrays],
+            [n for i in members for n in requests[i].counts],
+            pooling,
+            llm,
+            None if None in deadlines else max(deadlines),
+        )
+        groups.append(Group(members, merged))
+    return groups
