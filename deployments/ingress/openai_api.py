@@ -23,6 +23,7 @@ from deployments.errors import (
     ECHO_LIMIT,
     ErrorCode,
     RequestError,
+    capped,
     classify,
     openai_type,
     root_cause,
@@ -72,7 +73,9 @@ def error_response(exc: BaseException, retry_after_s: float | None = 1.0) -> JSO
         headers["Retry-After"] = str(max(0, math.ceil(retry_after_s)))
     if error.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(error_body(message, error.type, error.code, param), status_code=error.status, headers=headers)
+    return JSONResponse(
+        error_body(message, error.type, error.code, capped(param)), status_code=error.status, headers=headers
+    )
 
 
 # ------------------------------------------------------------------------------------------ HTTP schema
@@ -122,7 +125,9 @@ def unknown_fields_error(names: list[str]) -> RequestError:
     """422 naming the first five unknown fields (cut to 60 characters each) and how many there are."""
     listed = ", ".join(shown(n, 60) for n in names[:5]) + (", ..." if len(names) > 5 else "")
     count = f"{len(names)} unknown fields" if len(names) > 1 else "unknown field"
-    return RequestError(f"{count} {listed}; the fields are {', '.join(FIELDS)}", ErrorCode.INVALID_SCHEMA, names[0])
+    return RequestError(
+        f"{count} {listed}; the fields are {', '.join(FIELDS)}", ErrorCode.INVALID_SCHEMA, capped(names[0])
+    )
 
 
 _INPUT_SHAPE = "an image (a data URL or base64 string) or a non-empty list of them"
@@ -163,7 +168,7 @@ def schema_error(errors: list[dict]) -> RequestError:
         parts.append(f"unknown field{'s' if len(unknown) > 1 else ''} {names}; the fields are {', '.join(FIELDS)}")
     message = "; ".join(parts) or "invalid request body"
     loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
-    return RequestError(message, ErrorCode.INVALID_SCHEMA, loc[0] if loc else None)
+    return RequestError(message, ErrorCode.INVALID_SCHEMA, capped(loc[0]) if loc else None)
 
 
 def embedding_dtype_error(message: str) -> RequestError:

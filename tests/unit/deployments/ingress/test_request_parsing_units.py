@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from deployments.errors import RequestError
-from deployments.ingress.openai_api import parse_embedding_request
+from deployments.errors import ECHO_LIMIT, ErrorCode, RequestError
+from deployments.ingress.openai_api import error_response, parse_embedding_request
 
 
 def refused(body: bytes) -> RequestError:
@@ -45,3 +45,18 @@ def test_unknown_fields_are_named_beside_other_schema_errors_or_alone():
     error = refused(b'{"input": [], "poolling": "none"}')
     assert error.status == 422 and "input is an empty list" in str(error), str(error)
     assert parse_embedding_request(b'{"input": "a", "user": "u"}').user == "u"
+
+
+def test_a_huge_field_name_is_not_echoed_in_param_or_message():
+    name = "x" * 2**20
+    error = refused(b'{"input": "a", "' + name.encode() + b'": 1}')
+    assert error.status == 422
+    assert len(error.param) <= ECHO_LIMIT + 1 and error.param.startswith("xxx"), len(error.param)
+    assert len(str(error)) < 1000
+    response = error_response(error)
+    assert response.status_code == 422 and len(response.body) < 2000, len(response.body)
+
+
+def test_error_answers_cap_any_param():
+    response = error_response(RequestError("bad", ErrorCode.INVALID_SCHEMA, "p" * 5000))
+    assert len(response.body) < 500, response.body[:200]
