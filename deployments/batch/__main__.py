@@ -2,15 +2,19 @@
 
 Output: Parquet parts in DIR with every non-image input column, `embedding` and `error` (see
 README "Batch jobs"), plus DIR/_manifest.json. Re-running the same command resumes: finished
-parts are skipped. Exit status: 0 when the job is complete, 2 for a usage/input error.
+parts are skipped. Exit status: 0 when the job is complete, 1 when parts are missing (re-run to resume), 2 for a
+usage/input error, 3 when the output cannot be written (disk full, quota, read-only, permission: one line naming
+the file and the cause; finished parts are kept, re-run to resume), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from deployments.batch.job import run_job
+from deployments.batch.manifest import OutputWriteError
 from deployments.batch.options import JobConfig
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
@@ -85,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     return JobConfig(**a, progress=progress)
 
 
+# what a write into the output directory outside `manifest.writing` can still meet: the same one line, exit 3
+_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     try:
@@ -92,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     except (EncoderError, BucketError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OutputWriteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except OSError as exc:
+        if exc.errno not in _CANNOT_WRITE:
+            raise
+        print(f"error: cannot write {exc.filename or cfg.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
     return 0 if summary.complete else 1
