@@ -107,6 +107,12 @@ def shown(value: object, limit: int = ECHO_LIMIT) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
+def capped(value: str | None, limit: int = ECHO_LIMIT) -> str | None:
+    """A client's value as an error's `param`: at most `limit` characters + '…' (a 1 MB field name is not
+    echoed)."""
+    return value if value is None or len(value) <= limit else value[:limit] + "…"
+
+
 def openai_type(status: int) -> str:
     """The OpenAI error type of a status that no `ErrorCode` names (Starlette's own HTTP errors)."""
     return {401: _AUTH, 429: _RATE}.get(status, _INVALID if status < 500 else _SERVER)

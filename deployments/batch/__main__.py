@@ -10,15 +10,19 @@ Exit status:
   0    the job is complete
   1    it ended with parts missing (re-run the same command to resume)
   2    bad arguments, inputs or model (one `error:` line, before Ray starts)
+  3    the output cannot be written (disk full, quota, read-only, permission): one `error:` line naming the
+       file and the cause; finished parts are kept, re-run to resume
   130  interrupted (Ctrl-C); finished parts are kept, re-run to resume
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from deployments.batch.job import run_job
+from deployments.batch.manifest import OutputWriteError
 from deployments.batch.options import JobConfig
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
@@ -94,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     return JobConfig(**a, progress=progress)
 
 
+# what a write into the output directory outside `manifest.writing` can still meet: the same one line, exit 3
+_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     ignore_pillow_bomb_warning()  # the driver reads sample headers; a bomb among them is an error row later
@@ -102,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     except (EncoderError, BucketError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OutputWriteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except OSError as exc:
+        if exc.errno not in _CANNOT_WRITE:
+            raise
+        print(f"error: cannot write {exc.filename or cfg.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
     return 0 if summary.complete else 1

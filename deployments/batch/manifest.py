@@ -31,13 +31,35 @@ MANIFEST = "_manifest.json"
 MANIFEST_FORMAT = "vision-encoding-service/batch-manifest/1"
 
 
+class OutputWriteError(Exception):
+    """A file of the output directory could not be written (disk full, over quota, read-only, no permission):
+    the job ends with one line naming the file and the cause (exit 3); finished parts are kept."""
+
+    def __init__(self, path: Path, exc: OSError):
+        cause = exc.strerror or str(exc) or type(exc).__name__
+        super().__init__(f"cannot write {path}: {cause}; finished parts are kept, re-run to resume once it can be")
+        self.path, self.errno = path, exc.errno
+
+
+@contextlib.contextmanager
+def writing(path: Path, tmp: Path) -> Iterator[None]:
+    """Write `path` through `tmp`: an OSError becomes OutputWriteError naming `path`, and `tmp` is removed."""
+    try:
+        yield
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise OutputWriteError(path, exc) from exc
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    with writing(path, tmp):
+        with open(tmp, "w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
 
 
 def _changed_input(old: list[dict], new: list[dict]) -> str:
@@ -147,8 +169,9 @@ def write_part(out: Path, part: Part, tables: list[pa.Table]) -> pa.Table:
         raise RuntimeError(f"{part.name}: rows out do not match rows in (lost or duplicated rows)")
     table = table.drop_columns([PART_COLUMN, ROW_COLUMN])
     tmp = out / f".{part.name}.tmp-{os.getpid()}"
-    pq.write_table(table, tmp)
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, out / part.name)
+    with writing(out / part.name, tmp):
+        pq.write_table(table, tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, out / part.name)
     return table

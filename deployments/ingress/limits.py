@@ -56,8 +56,9 @@ def request_too_large(size: int | str, limit: int) -> RequestError:
     )
 
 
-# Bodies declaring more than this are read into one preallocated buffer.
-_PREALLOCATE_BYTES = 1 * 2**20
+# Bodies past this many bytes are gathered in one growing buffer (a list of chunks joined would hold the body
+# twice at the end; a bytearray grows in place, by realloc, as bytes arrive).
+_GATHER_BYTES = 1 * 2**20
 
 
 def header_bytes(request) -> int:
@@ -71,10 +72,12 @@ async def read_body(
 ) -> bytes | bytearray:
     """The body of a Starlette request, refused (413) as soon as it is known to exceed `limit` bytes.
 
-    `reserve(n)` (optional) is called for each part of the body before it is kept (the declared
-    Content-Length at once, else each chunk) and may refuse it (the ingress's byte admission). The body
-    must arrive within `timeout_s` plus one second per `min_rate` bytes received (else 408): a client
-    trickling bytes cannot hold the connection for the whole request time limit.
+    `reserve(n)` (optional) is called for each chunk before it is kept (the ingress's byte admission) and may
+    refuse it. The body must arrive within `timeout_s` plus one second per `min_rate` bytes received (else
+    408): a client trickling bytes cannot hold the connection for the whole request time limit. Only bytes
+    received count, for the budget, the deadline and the memory held: a Content-Length is checked against
+    `limit` and against what arrives, never reserved, so clients declaring 64 MiB and sending one byte hold
+    one byte each, for `timeout_s`.
     """
     declared = request.headers.get("content-length")
     size = None
@@ -85,32 +88,30 @@ async def read_body(
             raise RequestError(f"invalid Content-Length {shown(declared)}", ErrorCode.INVALID_REQUEST, None) from None
         if size > limit:
             raise request_too_large(size, limit)
-        if reserve is not None:
-            reserve(size)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    # a big declared body is read into one buffer (a list of chunks joined would hold it twice at the end);
-    # a small one as a list: one chunk, the usual case, is returned as it came, without a copy
-    buf = bytearray(size) if size is not None and size > _PREALLOCATE_BYTES else None
+    # one chunk, the usual case, is returned as it came, without a copy; a big body goes into one bytearray
+    buf: bytearray | None = None
     chunks: list[bytes] = []
     total = 0
-    # a declared size fixes the deadline at once; a chunked body's grows with what has arrived
-    grows = timeout_s is not None and size is None
-    timer = asyncio.timeout_at(None if timeout_s is None else started + timeout_s + (size or 0) / min_rate)
+    timer = asyncio.timeout_at(None if timeout_s is None else started + timeout_s)
     try:
         async with timer:
             async for chunk in request.stream():
                 n = len(chunk)
                 if total + n > limit or (size is not None and total + n > size):
                     raise request_too_large(f"more than {size if size is not None else limit}", limit)
-                if size is None and reserve is not None:
+                if reserve is not None:
                     reserve(n)
                 if buf is not None:
-                    buf[total : total + n] = chunk
+                    buf += chunk
+                elif total + n > _GATHER_BYTES:
+                    buf = bytearray().join([*chunks, chunk])
+                    chunks.clear()
                 else:
                     chunks.append(chunk)
                 total += n
-                if grows:
+                if timeout_s is not None:
                     timer.reschedule(started + timeout_s + total / min_rate)
     except (ClientDisconnect, TaskCancelledError):
         # the client went away mid-body (Starlette says so, or Serve's receive from its proxy was cancelled):
@@ -121,7 +122,7 @@ async def read_body(
             raise
         raise RequestError(
             f"the request body did not arrive in time ({total} bytes in {loop.time() - started:.1f}s; a body has "
-            f"{timeout_s:g}s plus 1s per {min_rate} bytes)",
+            f"{timeout_s:g}s plus 1s per {min_rate} bytes received)",
             ErrorCode.REQUEST_TIMEOUT, None,
         ) from None  # fmt: skip
     if size is not None and total < size:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+import re
 from urllib.parse import urlsplit
 
 from deployments.app_args import api_key_problem
@@ -61,6 +62,9 @@ class ApiKeyAuth:
 
 # ------------------------------------------------------------------------------------------ image URLs
 
+MAX_URL_CHARS = 8192  # longer image URLs are refused (400) before they are parsed
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # never valid in a URL (httpx refuses them; RFC 3986 has none)
+
 
 def host_allowed(host: str, port: int | None, allowlist: tuple[str, ...]) -> bool:
     """Whether `host` (lower case, no trailing dot) and `port` match an entry: 'host', 'host:port' or
@@ -106,6 +110,15 @@ class UrlFetcher:
             scheme = url.split(":", 1)[0].lower()
             raise RequestError(
                 f"{scheme} image URLs are not fetched by this service; send a data URL or base64 image",
+                ErrorCode.INVALID_IMAGE_URL,
+            )
+        if len(url) > MAX_URL_CHARS:
+            raise RequestError(
+                f"image URL is {len(url)} characters, over the limit of {MAX_URL_CHARS}", ErrorCode.INVALID_IMAGE_URL
+            )
+        if control := _CONTROL.search(url):
+            raise RequestError(
+                f"malformed image URL: control character U+{ord(control.group()):04X} at position {control.start()}",
                 ErrorCode.INVALID_IMAGE_URL,
             )
         try:
@@ -159,6 +172,8 @@ class UrlFetcher:
             raise RequestError(
                 f"fetching the image URL took longer than {self.timeout_s:g}s", ErrorCode.IMAGE_FETCH_FAILED
             ) from None
+        except (httpx.InvalidURL, UnicodeError) as e:  # what `check` lets through and httpx cannot send
+            raise RequestError(f"malformed image URL: {type(e).__name__}", ErrorCode.INVALID_IMAGE_URL) from None
         except httpx.HTTPError as e:
             raise RequestError(
                 f"fetching the image URL failed: {type(e).__name__}", ErrorCode.IMAGE_FETCH_FAILED

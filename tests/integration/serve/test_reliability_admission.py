@@ -166,8 +166,10 @@ def test_slow_bodies_do_not_lock_out_other_clients(app):
     slow.start()
     results = []
     try:
-        # the slow bodies are at the ingress, holding their bytes (about 100 KB each: their Content-Length)
-        wait_for(lambda: ingress(app)["inflight_bytes"] > 300 * 100_000, timeout_s=60, what="500 slow bodies")
+        # the slow bodies are at the ingress, holding the bytes they sent (their headers, a byte or so of body;
+        # never their 100 KB Content-Length)
+        wait_for(lambda: ingress(app)["inflight_bytes"] > 300 * 64, timeout_s=60, what="500 slow bodies")
+        assert ingress(app)["inflight_bytes"] < 500 * 2000  # not what they declared
         assert ingress(app)["inflight"] < 64  # they hold bytes, not admission slots
         with httpx.Client(base_url=app.base_url, timeout=30) as c:
             # one request a second until the slow bodies' 5 s deadline has cut some off (408), at most 14 s
@@ -186,3 +188,45 @@ def test_slow_bodies_do_not_lock_out_other_clients(app):
     print(f"slow bodies: {ok} of {len(results)} good requests answered 200; slow connections' answers {dict(counts)}")
     assert ok >= 0.9 * len(results), (results, counts)
     assert counts["408"] > 0, counts  # the slow bodies were cut off at their deadline
+
+
+def test_declared_body_sizes_do_not_hold_the_byte_budget(app):
+    """Four clients declaring 64 MiB bodies and sending one byte (a Content-Length reserved on arrival held the
+    256 MiB byte budget: 99 of 99 other requests 429 for a minute): other requests are served, and the stalled
+    bodies get 408 after body_timeout_s (5 s), not 5 s + 64 s."""
+    import socket
+
+    url = urlparse(app.base_url)
+
+    def head(length: int) -> bytes:
+        return (
+            f"POST /v1/embeddings HTTP/1.1\r\nHost: {url.hostname}:{url.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n{{"
+        ).encode()
+
+    # the module's slow bodies (the test before) may still be releasing bytes: the sums below start from nothing
+    wait_for(lambda: ingress(app)["inflight_bytes"] == 0, timeout_s=60, what="earlier bodies released")
+    stalled = [socket.create_connection((url.hostname, url.port), timeout=30) for _ in range(4)]
+    try:
+        for s in stalled[:3]:
+            s.sendall(head(64 * MiB))
+        wait_for(lambda: ingress(app)["inflight_bytes"] >= 3 * 64, timeout_s=30, what="3 stalled bodies")
+        held = ingress(app)["inflight_bytes"]
+        # the fourth declares what is left of the 256 MiB budget were declared sizes held, less ~300 bytes (less
+        # than a small request): at most 64 MiB, the request size limit
+        each = (held % (64 * MiB)) // 3  # headers (and a byte) of one stalled request
+        stalled[3].sendall(head(min(64 * MiB, 256 * MiB - held - each - 300)))
+        wait_for(lambda: ingress(app)["inflight_bytes"] >= held + 64, timeout_s=30, what="4 stalled bodies")
+        with httpx.Client(base_url=app.base_url, timeout=30) as c:
+            statuses = [c.post("/v1/embeddings", json=small_request()).status_code for _ in range(10)]
+        assert statuses == [200] * 10, statuses
+        assert ingress(app)["inflight_bytes"] < MiB  # what arrived, not 256 MiB declared
+        started = time.monotonic()
+        answers = [s.recv(200).split(b"\r\n", 1)[0] for s in stalled]
+        waited = time.monotonic() - started
+        print(f"declared 64 MiB x 4: others {statuses.count(200)}/10 200; stalled answered {answers} in {waited:.1f}s")
+        assert all(b" 408 " in a for a in answers), answers
+        assert waited < 30, waited  # 5 s deadline (+1 byte/MiB/s); the declared size would make it 69 s
+    finally:
+        for s in stalled:
+            s.close()

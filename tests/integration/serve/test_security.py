@@ -212,6 +212,10 @@ MALFORMED: list[tuple[str, dict, int, str]] = [
      "url_not_allowed"),
     ("url-file-scheme", {"json": {"input": ["file:///etc/passwd"]}}, 400, "url_not_allowed"),
     ("url-ftp-scheme", {"json": {"input": ["ftp://example.com/a.png"]}}, 400, "url_not_allowed"),
+    # 40,000 unknown fields in 400 KB (quadratic: a minute of the ingress's event loop) and a 256 KB field name
+    ("unknown-field-bomb", {"content": b'{"input":"a",' + b",".join(b'"f%d":1' % i for i in range(40_000)) + b"}"},
+     422, "invalid_schema"),
+    ("huge-field-name", {"json": {"input": [data_url(GOOD)], "x" * 2**18: 1}}, 422, "invalid_schema"),
 ]  # fmt: skip
 HOST_MALFORMED = [  # need the local image host's address
     ("url-with-credentials", "http://user:pw@{host}/good.png", 400, "url_not_allowed"),
@@ -220,6 +224,11 @@ HOST_MALFORMED = [  # need the local image host's address
     ("url-redirect", "http://{host}/redirect", 400, "image_fetch_failed"),
     ("url-too-big", "http://{host}/big.png", 413, "image_too_large"),
     ("url-not-an-image", "http://{host}/text", 400, "invalid_image"),
+    ("url-with-tab", "http://{host}/go\tod.png", 400, "invalid_image_url"),
+    ("url-with-cr", "http://{host}/go\rod.png", 400, "invalid_image_url"),
+    ("url-with-lf", "http://{host}/go\nod.png", 400, "invalid_image_url"),
+    ("url-with-nul", "http://{host}/go\x00od.png", 400, "invalid_image_url"),
+    ("url-64k-long", "http://{host}/" + "a" * 2**16, 400, "invalid_image_url"),
 ]
 
 
@@ -240,6 +249,7 @@ def check_error(response: httpx.Response, status: int, code: str) -> None:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
     assert error["code"] == code and len(error["message"]) >= 10, error
+    assert len(response.content) < 2000 and (error["param"] is None or len(error["param"]) <= 101), error
     if status == 401:
         assert response.headers["www-authenticate"] == "Bearer"
 

@@ -3,6 +3,9 @@ line), the summary of a no-op re-run, the progress line that counts images, no m
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -118,3 +121,41 @@ def test_a_rerun_does_only_the_parts_not_recorded_and_refuses_another_byte_limit
     assert "nothing to do" in capsys.readouterr().out
     assert main([*args, "--no-progress", "--max-image-bytes", "1000"]) == 2
     assert "different parameters (max_image_bytes)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "where, code",
+    [("part", errno.ENOSPC), ("manifest", errno.EDQUOT), ("part", errno.EROFS), ("manifest", errno.EACCES)],
+)
+def test_a_full_disk_ends_the_job_in_one_line_naming_the_path_and_the_cause(tmp_path, monkeypatch, capsys, where, code):
+    """A part or the manifest that cannot be written (disk full, quota, read-only, permission): exit 3 with one
+    `error:` line naming the file and the cause, no traceback; no temporary is left behind, and a re-run with
+    space again completes the job."""
+    import deployments.batch.manifest as manifest_module
+
+    pq.write_table(pa.table({"id": [0, 1], "image": pa.array([b"x"] * 2, pa.binary())}), tmp_path / "in.parquet")
+
+    def run(self, todo):  # the rows of each part come back; the driver writes and records them
+        for part in todo:
+            rows = list(range(part.start, part.stop))
+            self._collect(part, pa.table({"id": rows, "error": pa.array([None] * len(rows), pa.string()),
+                                          PART_COLUMN: pa.array([part.index] * len(rows), pa.int32()),
+                                          ROW_COLUMN: rows}))  # fmt: skip
+
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(PartsRunner, "run", run)
+    target = manifest_module.pq if where == "part" else manifest_module.json
+    monkeypatch.setattr(target, "write_table" if where == "part" else "dump", fail)
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "in.parquet"), "--output", str(out), "--part-rows", "1", "--no-progress"]
+    assert main(args) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    name = "part-000000.parquet" if where == "part" else "_manifest.json"
+    assert err[0].startswith(f"error: cannot write {out / name}: {os.strerror(code)}"), err
+    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
+    monkeypatch.undo()
+    monkeypatch.setattr(PartsRunner, "run", run)
+    assert main(args) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from functools import partial
 
 import pytest
 
@@ -76,7 +77,7 @@ class FakeRequest:
 def test_read_body_reserves_bytes_and_enforces_its_deadline():
     reserved = []
     body = asyncio.run(read_body(FakeRequest([b"ab", b"cd"], 4), 10, reserved.append, 1.0))
-    assert bytes(body) == b"abcd" and reserved == [4]  # Content-Length reserved before reading
+    assert bytes(body) == b"abcd" and reserved == [2, 2]  # as it arrives, whatever the Content-Length says
     reserved.clear()
     assert bytes(asyncio.run(read_body(FakeRequest([b"ab", b"cd"]), 10, reserved.append))) == b"abcd"
     assert reserved == [2, 2]  # chunked: as it arrives
@@ -219,3 +220,42 @@ def test_a_chunked_bodys_deadline_grows_with_what_has_arrived():
     steady client sending 10 bytes every 50 ms (far above 10 bytes/s) is not cut off at `timeout_s`."""
     body = asyncio.run(read_body(FakeRequest([b"x" * 10] * 6, gap_s=0.05), 100, None, timeout_s=0.1, min_rate=10))
     assert len(body) == 60
+
+
+class StalledRequest:
+    """A client that declares `length` bytes, sends one and then nothing; `sent` is set once that byte is out."""
+
+    def __init__(self, length: int):
+        self.headers = {"content-length": str(length)}
+        self.sent, self._never = asyncio.Event(), asyncio.Event()
+
+    async def stream(self):
+        yield b"{"
+        self.sent.set()
+        await self._never.wait()
+        yield b""
+
+
+def test_declared_sizes_hold_no_bytes_and_no_time_only_what_arrived_does():
+    """Four clients declaring 64 MiB and sending one byte: the byte budget holds 4 bytes, so a small request is
+    let in (reserving the declared size refused every other request 429 for a minute), and each stalled body
+    is 408 after `timeout_s`, not `timeout_s` + 64 s."""
+    declared = 64 * 2**20
+
+    async def main():
+        gate = Admission(10, max_bytes=256 * 2**20)
+        stalled = [StalledRequest(declared) for _ in range(4)]
+        tasks = [
+            asyncio.create_task(read_body(r, declared, partial(gate.reserve_bytes, Ticket()), 0.2, 2**20))
+            for r in stalled
+        ]
+        for r in stalled:
+            await r.sent.wait()
+        assert gate.bytes == 4
+        body = await read_body(FakeRequest([b"x" * 1000], 1000), declared, partial(gate.reserve_bytes, Ticket()))
+        assert len(body) == 1000  # let in: no 429
+        async with asyncio.timeout(10):  # the deadline is 0.2 s + 1 byte / 1 MiB/s; the declared size would add 64 s
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(e, RequestError) and e.error is ErrorCode.REQUEST_TIMEOUT for e in results), results
+
+    asyncio.run(main())

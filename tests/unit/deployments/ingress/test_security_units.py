@@ -387,3 +387,21 @@ def test_url_fetch_enforces_the_byte_limit_while_reading():
     with pytest.raises(RequestError) as info:
         fetch(b"123456789")
     assert info.value.error is ErrorCode.IMAGE_TOO_LARGE
+
+
+def test_urls_with_control_characters_or_too_long_are_400_before_any_fetch():
+    """A tab, CR, LF, NUL or DEL anywhere in an allowlisted URL, or a URL over `MAX_URL_CHARS`, is 400
+    `invalid_image_url` naming the problem (httpx's InvalidURL made them 500 internal_error)."""
+    from deployments.ingress.security import MAX_URL_CHARS
+
+    fetcher = UrlFetcher(("example.com",), timeout_s=0.01)
+    bad = {f"https://example.com/a{c}b.png": f"U+{ord(c):04X}" for c in "\t\r\n\x00\x7f"}
+    bad["https://exa\tmple.com/a.png"] = "U+0009"
+    bad["https://example.com/" + "a" * 2**16] = f"over the limit of {MAX_URL_CHARS}"
+    for url, named in bad.items():
+        with pytest.raises(RequestError) as info:
+            asyncio.run(fetcher.fetch(url))
+        error = info.value
+        assert (error.status, error.code, error.param) == (400, "invalid_image_url", "input"), url[:40]
+        assert named in str(error) and len(str(error)) < 300, str(error)[:300]
+    fetcher.check("https://example.com/" + "a" * (MAX_URL_CHARS - 20))
