@@ -13,7 +13,7 @@ from ray.serve.schema import LoggingConfig
 from deployments.config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from deployments.ingress.deployment import VisionIngress
 from deployments.preflight import AppConfigError, check_encoder_options, check_model
-from deployments.ray_compat import check_ray, quick_serve_polls
+from deployments.ray_compat import check_ray, quick_serve_polls, sync_driver_handles
 from deployments.replica.deployment import EncoderReplica
 from deployments.shutdown import in_serve_run, install_signal_drain
 from encoder.errors import RandomWeightsWarning, reason, validation_reason
@@ -47,6 +47,7 @@ def build_app(args: dict | AppArgs | None = None):
     """
     check_ray()
     quick_serve_polls()  # `serve.run` of this app in this process answers within 0.1 s of it being RUNNING
+    sync_driver_handles()  # `handle.embed.remote(...).result()` from this process works in throughput mode too
     try:
         a = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args or {}))
     except ValidationError as exc:

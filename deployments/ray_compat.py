@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these ten have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these eleven have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -58,6 +58,21 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   instead: `serve.run(..., _blocking=False)` (also private) and our own poll of `serve.status()`, which would
   drop Serve's own checks of the proxies and of a failed deployment.
 
+* `sync_driver_handles()`: a wrapper around `ray.serve._private.handle_options.InitHandleOptions.create` that
+  gives a handle made outside a replica (a driver: a pipeline, a test, the launcher) its own router loop
+  (`_run_router_in_separate_loop=True`, a private init option), as in Serve's default mode. With
+  `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` in the driver's environment Serve runs the router on the caller's event loop,
+  and `handle.embed.remote(...).result()` from plain Python fails with "RuntimeError: No event loop running. You
+  cannot use a handle initialized with `_run_router_in_separate_loop=False` when not inside an asyncio event loop"
+  (measured on CPU, 2026-12-05). `build_app` installs it in the process that builds the application; replicas
+  (the ingress's handle to the encoders) keep the caller's loop. Tried instead:
+  `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=1` in the driver's environment, which Serve reads once, when `ray.serve`
+  is first imported (usually before ours), and which every Ray process the driver starts would inherit (the
+  ingress replicas' routers too).
+
+The fast request path's environment (`FAST_PATH_ENV`) lives here too: the names and values are Ray Serve's knobs,
+read by each Ray process when it starts (`ray.serve._private.constants`), so no runtime_env can switch them.
+
 One more function here uses no private API but depends on Ray's wording, so it lives beside them:
 * `quiet_serve_noise()`: a filter on Serve's public `ray.serve` logger that drops two INFO lines of Ray 2.60 that
   tell a user of this service nothing: `Started <ray.serve._private.router.SharedRouterLongPollClient object at
@@ -75,6 +90,7 @@ import dataclasses
 import importlib.util
 import inspect
 import logging
+import os
 import uuid
 from functools import cache
 from typing import TYPE_CHECKING
@@ -103,6 +119,22 @@ SERVE_SHUTDOWN_NOTICE = "Task ServeController.graceful_shutdown failed."
 # drops from their lines (Serve's text log format: the level first)
 SERVE_SYSTEM_ACTORS = frozenset({"ServeController", "ProxyActor"})
 QUIET_LEVELS = ("DEBUG ", "INFO ")
+
+
+# Ray Serve's fast request path (docs/service.md#fast-request-path): throughput-optimised Serve (handle calls over
+# gRPC, user code and routers on the replicas' own loops) with HAProxy in front of the ingress replicas, and a gRPC
+# message cap above one batch's arrays (gRPC's 4 MiB default < one embed of 32 224x224 arrays). Every Ray process
+# reads them when it starts: the launcher puts them in its environment before `ray.init` (`use_fast_path`).
+FAST_PATH_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**28),
+}
+# the two switches that make the fast path (the message cap only raises a limit); Serve takes "1" as on
+FAST_PATH_SWITCHES = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_HA_PROXY")
+FAST_PATH_HINT = "for the fast one start Ray with {} (docs/service.md#fast-request-path)".format(
+    " ".join(f"{k}={v}" for k, v in FAST_PATH_ENV.items())
+)
 
 
 class RayCompatError(RuntimeError):
@@ -138,6 +170,15 @@ def _missing() -> list[str]:
         missing.append("ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER")
     if importlib.util.find_spec(TOKEN_AUTH_LOGGER) is None:
         missing.append(TOKEN_AUTH_LOGGER)
+    from ray.serve._private import constants as serve_constants
+    from ray.serve._private import handle_options
+
+    missing += [f"ray.serve._private.constants.{k}" for k in FAST_PATH_ENV if not hasattr(serve_constants, k)]
+    options = handle_options.InitHandleOptions
+    if not isinstance(options.__dict__.get("create"), classmethod) or "_run_router_in_separate_loop" not in {
+        f.name for f in dataclasses.fields(options)
+    }:
+        missing.append("ray.serve._private.handle_options.InitHandleOptions.create(_run_router_in_separate_loop=...)")
     from ray._private import worker as ray_worker
 
     # the errors the GCS pushes are printed through the module's name (so replacing it takes effect)
@@ -320,3 +361,54 @@ def quick_serve_polls() -> None:
     from ray.serve._private import client as serve_client
 
     serve_client.CLIENT_POLLING_INTERVAL_S = QUICK_POLL_S
+
+
+def use_fast_path(environ: dict | None = None) -> dict[str, str]:
+    """Put `FAST_PATH_ENV` into `environ` (default `os.environ`) where the user has not set a variable (a value
+    the user exported wins), before `ray.init` starts Ray's processes, which inherit it. Returns what it set."""
+    environ = os.environ if environ is None else environ
+    added = {k: v for k, v in FAST_PATH_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
+def request_path(environ: dict | None = None) -> str:
+    """The request path Serve takes in a process with `environ` (default `os.environ`; a replica's is its node's
+    Ray environment): "fast" with throughput mode and HAProxy, "throughput-optimised" with throughput mode
+    behind Serve's Python proxy, "default" otherwise."""
+    environ = os.environ if environ is None else environ
+    throughput, haproxy = (environ.get(k) == "1" for k in FAST_PATH_SWITCHES)
+    if throughput and haproxy:
+        return "fast"
+    return "throughput-optimised" if throughput else "default"
+
+
+def describe_request_path(environ: dict | None = None, hint: str = FAST_PATH_HINT) -> str:
+    """`request path fast (HAProxy, gRPC)`, or the slower path and how to switch (`hint`, one short line)."""
+    path = request_path(environ)
+    if path == "fast":
+        return "request path fast (HAProxy, gRPC)"
+    what = "Serve's Python proxy, gRPC" if path == "throughput-optimised" else "Serve's Python proxy, actor calls"
+    return f"request path {path} ({what}); {hint}"
+
+
+def sync_driver_handles() -> None:
+    """Give the handles this process makes outside a replica a router loop of their own, so that `.result()`
+    works from plain Python in throughput mode too (see the module docstring). Idempotent; handles made inside a
+    replica, and an explicit `_run_router_in_separate_loop`, are left alone."""
+    from ray.serve import context as serve_context
+    from ray.serve._private.handle_options import InitHandleOptions
+    from ray.serve._private.utils import DEFAULT
+
+    create = InitHandleOptions.__dict__["create"].__func__
+    if getattr(create, "sync_driver", False):
+        return
+
+    def create_with_own_loop(cls, **kwargs):
+        key = "_run_router_in_separate_loop"
+        if serve_context._get_internal_replica_context() is None and kwargs.get(key, DEFAULT.VALUE) == DEFAULT.VALUE:
+            kwargs[key] = True
+        return create(cls, **kwargs)
+
+    create_with_own_loop.sync_driver = True
+    InitHandleOptions.create = classmethod(create_with_own_loop)

@@ -34,7 +34,7 @@ from deployments.ingress.openai_api import EmbeddingRequest, api
 from deployments.ingress.security import ApiKeyAuth, UrlFetcher
 from deployments.llm_outputs import handle_item
 from deployments.metrics import IngressTelemetry, rss_bytes
-from deployments.ray_compat import check_ray, quiet_serve_noise
+from deployments.ray_compat import check_ray, describe_request_path, quiet_serve_noise
 from deployments.shutdown import DrainWatch
 
 logger = logging.getLogger("ray.serve")
@@ -74,10 +74,11 @@ class VisionIngress:
         self._http = HttpRoutes(a, *parts, auth, self.telemetry, self._pool, self._drain)
         self._handle = HandleCalls(a, *parts, self.telemetry, self._drain)
         logger.info(
-            "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request",
+            "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request, %s",
             "required" if auth.enabled else "off",
             f"from {', '.join(a.url_allowlist)}" if urls.enabled else "off",
             a.inflight_limit, a.request_timeout_s,
+            describe_request_path(),  # this replica's environment is what Serve read in it
         )  # fmt: skip
 
     # -- Python handle API ------------------------------------------------------------------------------------
