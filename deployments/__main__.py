@@ -21,6 +21,7 @@ token in ~/.ray/auth_token, as `ray start` clusters require in Ray 2.60).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -53,8 +54,6 @@ def key_values(items: list[str]) -> dict[str, str]:
 def cluster_environ() -> dict[str, str]:
     """The environment a Ray process of the joined cluster starts with (a task's: its node's Ray environment),
     the flags of the request path only."""
-    import os
-
     import ray
 
     from deployments.ray_compat import FAST_PATH_ENV
@@ -112,11 +111,19 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, on_signal)
 
     handle_signals()
+    address = ray_address(ns.address)
+    if address == "local" and ns.request_path == "fast":
+        from deployments.ray_compat import use_fast_path
+
+        # Ray's processes inherit this environment and read the flags when they start; set before this process
+        # imports Ray Serve, so its own handles and `build_app`'s line agree
+        use_fast_path()
+    elif address != "local":  # for build_app: the request path is the cluster's, not this environment's
+        os.environ["RAY_ADDRESS"] = address
     from deployments.application import build_app
     from deployments.config import AppArgs
     from deployments.shutdown import drain, drain_timeout
 
-    address = ray_address(ns.address)
     try:
         values = key_values(ns.args)
         app = build_app(values)  # checks the arguments and the model, before Ray starts
@@ -139,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         no_driver_stack_dump,
         quiet_serve_noise,
         quiet_serve_shutdown_notice,
+        quiet_serve_system_info,
+        quiet_single_node_warning,
         quiet_token_auth_notice,
-        use_fast_path,
     )
 
-    if address == "local" and ns.request_path == "fast":
-        use_fast_path()  # Ray's processes inherit this environment: every one reads the flags when it starts
+    if ns.serve_log_level in ("WARNING", "ERROR"):  # the controller's INFO lines logged before its level is set
+        quiet_serve_system_info()
+    if address == "local":  # one node: no HAProxy elsewhere to shut out
+        quiet_single_node_warning()
 
     quiet_token_auth_notice()  # token authentication stays on; Ray's notice of it at every start goes
     quiet_serve_shutdown_notice()  # and its "controller failed" line at every stop
