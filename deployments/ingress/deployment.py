@@ -78,7 +78,8 @@ class VisionIngress:
             "required" if auth.enabled else "off",
             f"from {', '.join(a.url_allowlist)}" if urls.enabled else "off",
             a.inflight_limit, a.request_timeout_s,
-            describe_request_path(),  # this replica's environment is what Serve read in it
+            # this replica's environment is what Serve read in it; build_app's line has the longer hint
+            describe_request_path(hint="docs/service.md#fast-request-path"),
         )  # fmt: skip
 
     # -- Python handle API ------------------------------------------------------------------------------------
