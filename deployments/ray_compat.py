@@ -62,8 +62,9 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   drop Serve's own checks of the proxies and of a failed deployment.
 
 * `sync_driver_handles()`: a wrapper around `ray.serve._private.handle_options.InitHandleOptions.create` that
-  gives a handle made outside a replica (a driver: a pipeline, a test, the launcher) its own router loop
-  (`_run_router_in_separate_loop=True`, a private init option), as in Serve's default mode. With
+  gives a handle first used from plain Python (no running event loop: Serve initialises a handle at its first
+  `.remote()` or `.options()`) outside a replica its own router loop (`_run_router_in_separate_loop=True`, a
+  private init option), as in Serve's default mode; a handle first used from async code keeps Serve's choice. With
   `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` in the driver's environment Serve runs the router on the caller's event loop,
   and `handle.embed.remote(...).result()` from plain Python fails with "RuntimeError: No event loop running. You
   cannot use a handle initialized with `_run_router_in_separate_loop=False` when not inside an asyncio event loop"
@@ -89,6 +90,7 @@ One more function here uses no private API but depends on Ray's wording, so it l
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import importlib.util
@@ -432,10 +434,20 @@ def describe_request_path(environ: dict | None = None, hint: str = FAST_PATH_HIN
     return f"request path {path} ({what}); {hint}"
 
 
+def in_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop now."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def sync_driver_handles() -> None:
-    """Give the handles this process makes outside a replica a router loop of their own, so that `.result()`
-    works from plain Python in throughput mode too (see the module docstring). Idempotent; handles made inside a
-    replica, and an explicit `_run_router_in_separate_loop`, are left alone."""
+    """Give the handles this process first uses from plain Python (no running event loop) outside a replica a
+    router loop of their own, so that `.result()` works in throughput mode too (see the module docstring).
+    Idempotent; a handle first used from async code keeps Serve's choice, and so do handles made inside a replica
+    and an explicit `_run_router_in_separate_loop`."""
     from ray.serve import context as serve_context
     from ray.serve._private.handle_options import InitHandleOptions
     from ray.serve._private.utils import DEFAULT
@@ -446,7 +458,8 @@ def sync_driver_handles() -> None:
 
     def create_with_own_loop(cls, **kwargs):
         key = "_run_router_in_separate_loop"
-        if serve_context._get_internal_replica_context() is None and kwargs.get(key, DEFAULT.VALUE) == DEFAULT.VALUE:
+        unset = kwargs.get(key, DEFAULT.VALUE) == DEFAULT.VALUE
+        if unset and serve_context._get_internal_replica_context() is None and not in_event_loop():
             kwargs[key] = True
         return create(cls, **kwargs)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from ray.serve import context as serve_context
 
@@ -239,6 +241,7 @@ def test_the_fast_path_flags_are_the_ones_serve_reads():
 
 
 def test_driver_handles_get_a_router_loop_of_their_own(monkeypatch):
+    from ray.serve._private import handle_options
     from ray.serve._private.handle_options import InitHandleOptions
     from ray.serve._private.utils import DEFAULT
 
@@ -248,6 +251,11 @@ def test_driver_handles_get_a_router_loop_of_their_own(monkeypatch):
     assert InitHandleOptions.create()._run_router_in_separate_loop is True
     assert InitHandleOptions.create(_run_router_in_separate_loop=DEFAULT.VALUE)._run_router_in_separate_loop is True
     assert InitHandleOptions.create(_run_router_in_separate_loop=False)._run_router_in_separate_loop is False
+
+    async def from_async_code():  # a handle first used in a running loop keeps Serve's choice
+        return InitHandleOptions.create()._run_router_in_separate_loop
+
+    assert asyncio.run(from_async_code()) is handle_options.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
 
 
 def test_the_single_node_haproxy_warning_goes_and_nothing_else():
