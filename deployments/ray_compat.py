@@ -417,11 +417,13 @@ def use_fast_path(environ: dict | None = None) -> dict[str, str]:
 def request_path(environ: dict | None = None) -> str:
     """The request path Serve takes in a process with `environ` (default `os.environ`; a replica's is its node's
     Ray environment): "fast" with throughput mode and HAProxy, "throughput-optimised" with throughput mode
-    behind Serve's Python proxy, "default" otherwise."""
+    behind Serve's Python proxy, "haproxy" with HAProxy alone, "default" otherwise."""
     environ = os.environ if environ is None else environ
     throughput, haproxy = (environ.get(k) == "1" for k in FAST_PATH_SWITCHES)
     if throughput and haproxy:
         return "fast"
+    if haproxy:
+        return "haproxy"
     return "throughput-optimised" if throughput else "default"
 
 
@@ -430,7 +432,11 @@ def describe_request_path(environ: dict | None = None, hint: str = FAST_PATH_HIN
     path = request_path(environ)
     if path == "fast":
         return "request path fast (HAProxy, gRPC)"
-    what = "Serve's Python proxy, gRPC" if path == "throughput-optimised" else "Serve's Python proxy, actor calls"
+    what = {
+        "throughput-optimised": "Serve's Python proxy, gRPC",
+        "haproxy": "HAProxy, actor calls",
+        "default": "Serve's Python proxy, actor calls",
+    }[path]
     return f"request path {path} ({what}); {hint}"
 
 

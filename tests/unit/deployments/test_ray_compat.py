@@ -228,6 +228,9 @@ def test_the_request_path_is_named_with_a_hint_when_slow():
     assert ray_compat.describe_request_path(dict(ray_compat.FAST_PATH_ENV)) == "request path fast (HAProxy, gRPC)"
     assert ray_compat.request_path({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}) == "throughput-optimised"
     assert ray_compat.request_path({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "true"}) == "default"  # Serve takes "1" only
+    # a user's exported 0 wins over the launcher's 1
+    haproxy_only = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert ray_compat.describe_request_path(haproxy_only).startswith("request path haproxy (HAProxy, actor calls); ")
     slow = ray_compat.describe_request_path({})
     assert slow.startswith("request path default (Serve's Python proxy, actor calls); for the fast one start Ray")
     assert all(f"{k}={v}" in slow for k, v in ray_compat.FAST_PATH_ENV.items())
