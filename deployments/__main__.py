@@ -14,8 +14,8 @@ Without `--address` (or RAY_ADDRESS) it starts its own local Ray instance, never
 started on this machine, on Serve's fast request path (throughput mode, HAProxy, gRPC: `ray_compat.FAST_PATH_ENV`,
 put in its environment before `ray.init`; a variable the user exported wins; `--request-path default` keeps
 Serve's default path). With an address it joins that cluster, whose request path was chosen when its Ray
-started; the ready line says which it is (set `RAY_AUTH_MODE=token` to authenticate with the
-token in ~/.ray/auth_token, as `ray start` clusters require in Ray 2.60).
+started, and the ready line says which it is. Joining needs `RAY_AUTH_MODE=token` to authenticate with the
+token in ~/.ray/auth_token, as `ray start` clusters require in Ray 2.60.
 """
 
 from __future__ import annotations
