@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.load_gen import load, pct, row, run_load
+from deployments.ray_compat import FAST_PATH_ENV  # imports Ray's core, not Serve: its flags are read later
 
 # Ray Serve feature flags, read when Ray's processes start (set before `import ray`):
 #   default     Ray's Python HTTP proxy; handle calls as Ray actor tasks; user code in a separate thread.
@@ -43,18 +44,14 @@ from benchmarks.load_gen import load, pct, row, run_load
 #   haproxy     throughput + RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy on the HTTP port balancing over the ingress
 #               replicas' own listeners (no Python proxy hop).
 # gRPC caps a replica's incoming message at 4 MiB; `embed` calls of 32 224x224 arrays are 4.8 MB, so the
-# fast modes raise it (as the README's launch line does).
+# fast modes raise it. `haproxy` is the launcher's fast path (`deployments.ray_compat.FAST_PATH_ENV`).
 # Direct ingress keeps a deleted app's ingress replicas draining for 30 s (for external load balancers);
 # between the benchmark's deployments that is only waiting.
-_GRPC = {
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**28),
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-}
+_DRAIN = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 SERVE_MODES = {
     "default": {},
-    "throughput": _GRPC,
-    "haproxy": _GRPC | {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    "throughput": {k: v for k, v in FAST_PATH_ENV.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"} | _DRAIN,
+    "haproxy": FAST_PATH_ENV | _DRAIN,
 }
 
 

@@ -11,13 +11,17 @@ model or a taken port. Serve's controller and HTTP proxies log at WARNING (`--se
 back their lines for each deployment step), so the start-up reads as the app's own summary lines.
 
 Without `--address` (or RAY_ADDRESS) it starts its own local Ray instance, never a cluster someone else
-started on this machine; with one it joins that cluster (set `RAY_AUTH_MODE=token` to authenticate with the
-token in ~/.ray/auth_token, as `ray start` clusters require in Ray 2.60).
+started on this machine, on Serve's fast request path (throughput mode, HAProxy, gRPC: `ray_compat.FAST_PATH_ENV`,
+put in its environment before `ray.init`; a variable the user exported wins; `--request-path default` keeps
+Serve's default path). With an address it joins that cluster, whose request path was chosen when its Ray
+started, and the ready line says which it is. Joining needs `RAY_AUTH_MODE=token` to authenticate with the
+token in ~/.ray/auth_token, as `ray start` clusters require in Ray 2.60.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -47,6 +51,20 @@ def key_values(items: list[str]) -> dict[str, str]:
     return out
 
 
+def cluster_environ() -> dict[str, str]:
+    """The environment a Ray process of the joined cluster starts with (a task's: its node's Ray environment),
+    the flags of the request path only."""
+    import ray
+
+    from deployments.ray_compat import FAST_PATH_ENV
+
+    @ray.remote(num_cpus=0)
+    def environ() -> dict[str, str]:
+        return {k: os.environ[k] for k in FAST_PATH_ENV if k in os.environ}
+
+    return ray.get(environ.remote(), timeout=60)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -63,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="WARNING",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log level of Serve's controller and HTTP proxies (default WARNING; INFO reports each deployment step)",
+    )
+    p.add_argument(
+        "--request-path",
+        default="fast",
+        choices=["fast", "default"],
+        help="Serve's request path when this starts its own Ray: fast (throughput mode, HAProxy, gRPC; the default) "
+        "or default (Serve's Python HTTP proxy and actor calls); a cluster joined keeps its own",
     )
     return p.parse_args(argv)
 
@@ -86,11 +111,19 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, on_signal)
 
     handle_signals()
+    address = ray_address(ns.address)
+    if address == "local" and ns.request_path == "fast":
+        from deployments.ray_compat import use_fast_path
+
+        # Ray's processes inherit this environment and read the flags when they start; set before this process
+        # imports Ray Serve, so its own handles and `build_app`'s line agree
+        use_fast_path()
+    elif address != "local":  # for build_app: the request path is the cluster's, not this environment's
+        os.environ["RAY_ADDRESS"] = address
     from deployments.application import build_app
     from deployments.config import AppArgs
     from deployments.shutdown import drain, drain_timeout
 
-    address = ray_address(ns.address)
     try:
         values = key_values(ns.args)
         app = build_app(values)  # checks the arguments and the model, before Ray starts
@@ -109,11 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from deployments.ray_compat import (
+        describe_request_path,
         no_driver_stack_dump,
         quiet_serve_noise,
         quiet_serve_shutdown_notice,
+        quiet_serve_system_info,
+        quiet_single_node_warning,
         quiet_token_auth_notice,
     )
+
+    if ns.serve_log_level in ("WARNING", "ERROR"):  # the controller's INFO lines logged before its level is set
+        quiet_serve_system_info()
+    if address == "local":  # one node: no HAProxy elsewhere to shut out
+        quiet_single_node_warning()
 
     quiet_token_auth_notice()  # token authentication stays on; Ray's notice of it at every start goes
     quiet_serve_shutdown_notice()  # and its "controller failed" line at every stop
@@ -137,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             serve.run(app, name=ns.name, route_prefix="/", blocking=False)
             deployed = True
             host = "127.0.0.1" if ns.host in ("0.0.0.0", "::") else ns.host
-            print(f"vision service ready at http://{host}:{ns.port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+            if address == "local":  # chosen here: the fast one unless asked otherwise
+                path = describe_request_path(hint="drop --request-path default for the fast one")
+            else:
+                path = describe_request_path(cluster_environ())
+            ready = f"vision service ready at http://{host}:{ns.port}/v1, {path} (Ctrl-C to stop)"
+            print(ready, file=sys.stderr, flush=True)
         stop.wait()
         if deployed:  # Serve's shutdown drops what is in flight: finish the admitted requests first
             drain(drain_timeout(app_args.request_timeout_s, app_args.drain_grace_s))

@@ -12,8 +12,8 @@ from ray.serve.schema import LoggingConfig
 
 from deployments.config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from deployments.ingress.deployment import VisionIngress
-from deployments.preflight import AppConfigError, check_encoder_options, check_model
-from deployments.ray_compat import check_ray, quick_serve_polls
+from deployments.preflight import AppConfigError, check_encoder_options, check_model, ray_address
+from deployments.ray_compat import check_ray, describe_request_path, quick_serve_polls, sync_driver_handles
 from deployments.replica.deployment import EncoderReplica
 from deployments.shutdown import in_serve_run, install_signal_drain
 from encoder.errors import RandomWeightsWarning, reason, validation_reason
@@ -47,6 +47,7 @@ def build_app(args: dict | AppArgs | None = None):
     """
     check_ray()
     quick_serve_polls()  # `serve.run` of this app in this process answers within 0.1 s of it being RUNNING
+    sync_driver_handles()  # `handle.embed.remote(...).result()` from this process works in throughput mode too
     try:
         a = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args or {}))
     except ValidationError as exc:
@@ -98,10 +99,13 @@ def build_app(args: dict | AppArgs | None = None):
     )
     if in_serve_run():  # Ctrl-C / SIGTERM of `serve run`: drain first (Serve's shutdown drops in-flight requests)
         install_signal_drain(a.request_timeout_s, a.drain_grace_s)
+    # a Ray instance not started yet (`serve run`, the launcher, a pipeline) will inherit this environment, so it
+    # names the request path; on a running cluster the ingress replicas' line says it
+    path = "" if ray.is_initialized() or ray_address(None) != "local" else f", {describe_request_path()}"
     logger.info(
-        "vision app: model=%s (%s%s), %d encoder replica(s) x %g GPU / %g CPU, %d ingress replica(s), router=%s",
+        "vision app: model=%s (%s%s), %d encoder replica(s) x %g GPU / %g CPU, %d ingress replica(s), router=%s%s",
         a.model, source.kind, ", RANDOM weights" if source.random_weights else "", a.num_replicas, gpus,
-        a.num_cpus, a.ingress_replicas, a.request_router_class or "default",
+        a.num_cpus, a.ingress_replicas, a.request_router_class or "default", path,
     )  # fmt: skip
     if source.random_weights:  # said here, once, as one line; the replicas keep quiet about it (EncoderReplica)
         logger.warning(RandomWeightsWarning.message(a.model))

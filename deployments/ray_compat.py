@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these ten have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these twelve have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -50,6 +50,9 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   0x...>`); their WARNING and ERROR lines are printed, and Ray's log files keep everything. The launcher sets
   those actors' level instead (`serve.start(logging_config=...)`), which `serve run` does not let an import path
   do. Tried instead: a level in the deployments' own `logging_config` (it covers the replicas only).
+* `quiet_single_node_warning()`: through the same function, the launcher's own (one-node) Ray drops the
+  controller's fast-path warning that an HTTP host of 127.0.0.1 "won't accept connections from HAProxy on other
+  nodes" (there are none); on a cluster it is printed.
 * `quick_serve_polls()`: `ray.serve._private.client.CLIENT_POLLING_INTERVAL_S`, how long Serve's client sleeps
   between two looks at the controller while `serve.run` waits for the application to be RUNNING and while
   `serve.delete` waits for it to go: 1 s, so `serve run`, the launcher and every `serve.run` in a pipeline
@@ -58,23 +61,42 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   instead: `serve.run(..., _blocking=False)` (also private) and our own poll of `serve.status()`, which would
   drop Serve's own checks of the proxies and of a failed deployment.
 
+* `sync_driver_handles()`: a wrapper around `ray.serve._private.handle_options.InitHandleOptions.create` that
+  gives a handle first used from plain Python (no running event loop: Serve initialises a handle at its first
+  `.remote()` or `.options()`) outside a replica its own router loop (`_run_router_in_separate_loop=True`, a
+  private init option), as in Serve's default mode; a handle first used from async code keeps Serve's choice. With
+  `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` in the driver's environment Serve runs the router on the caller's event loop,
+  and `handle.embed.remote(...).result()` from plain Python fails with "RuntimeError: No event loop running. You
+  cannot use a handle initialized with `_run_router_in_separate_loop=False` when not inside an asyncio event loop"
+  (measured on CPU, 2026-12-05). `build_app` installs it in the process that builds the application; replicas
+  (the ingress's handle to the encoders) keep the caller's loop. Tried instead:
+  `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=1` in the driver's environment, which Serve reads once, when `ray.serve`
+  is first imported (usually before ours), and which every Ray process the driver starts would inherit (the
+  ingress replicas' routers too).
+
+The fast request path's environment (`FAST_PATH_ENV`) lives here too: the names and values are Ray Serve's knobs,
+read by each Ray process when it starts (`ray.serve._private.constants`), so no runtime_env can switch them.
+
 One more function here uses no private API but depends on Ray's wording, so it lives beside them:
-* `quiet_serve_noise()`: a filter on Serve's public `ray.serve` logger that drops two INFO lines of Ray 2.60 that
+* `quiet_serve_noise()`: a filter on Serve's public `ray.serve` logger that drops INFO lines of Ray 2.60 that
   tell a user of this service nothing: `Started <ray.serve._private.router.SharedRouterLongPollClient object at
-  0x...>.`, logged by a process when its first handle starts a router (every ingress replica, at start-up), and
+  0x...>.`, logged by a process when its first handle starts a router (every ingress replica, at start-up),
   serve.run's `Connecting to existing Serve app in namespace "serve". New http_options/controller_options will
-  not be applied.`, logged by the launcher after its own `serve.start`, which did apply them. Every other record
-  of the logger, this service's own lines among them, passes. If Ray rewords either line, it shows again (the
-  shutdown tests look for both).
+  not be applied.`, logged by the launcher after its own `serve.start`, which did apply them, and an ingress
+  replica's three lines on the fast path about the HTTP port it allocated and started (HAProxy sends to it).
+  Every other record of the logger, this service's own lines among them, passes. If Ray rewords a line, it
+  shows again (the shutdown tests look for the first two, test_launcher_request_path.py for the others).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import importlib.util
 import inspect
 import logging
+import os
 import uuid
 from functools import cache
 from typing import TYPE_CHECKING
@@ -97,12 +119,41 @@ TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
 SERVE_NOISE = (
     "Started <ray.serve._private.router.SharedRouterLongPollClient object at ",
     'Connecting to existing Serve app in namespace "serve". New http_options/controller_options will not be applied',
+    # an ingress replica on the fast path (its own HTTP server behind HAProxy) announces it in three lines
+    "Allocated port ",
+    "Successfully started RequestProtocol.",
+    "Started HTTP server on port ",
 )
+# Serve's controller warns, on the fast path, that an HTTP host of 127.0.0.1 shuts out HAProxy on other nodes: the
+# launcher's own Ray has one node (Ray 2.60's wording)
+HAPROXY_HOST_WARNING = "won't accept connections from HAProxy on other nodes"
 SERVE_SHUTDOWN_NOTICE = "Task ServeController.graceful_shutdown failed."
 # Serve's system actors as their log lines name them (`actor_name`), and the levels `quiet_serve_system_info`
 # drops from their lines (Serve's text log format: the level first)
 SERVE_SYSTEM_ACTORS = frozenset({"ServeController", "ProxyActor"})
 QUIET_LEVELS = ("DEBUG ", "INFO ")
+LEVELS = (*QUIET_LEVELS, "WARNING ", "ERROR ", "CRITICAL ")
+
+
+# Ray Serve's fast request path (docs/service.md#fast-request-path): throughput-optimised Serve (handle calls over
+# gRPC, user code and routers on the replicas' own loops) with HAProxy in front of the ingress replicas, and a gRPC
+# message cap above one batch's arrays (gRPC's 4 MiB default < one embed of 32 224x224 arrays). Every Ray process
+# reads them when it starts: the launcher puts them in its environment before `ray.init` (`use_fast_path`).
+FAST_PATH_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**28),
+}
+# what the launcher adds for the Ray instance it starts (on one machine, in the foreground): the replicas' start-up
+# lines on its console (throughput mode sends Serve's logs to files only; access logs are off by default, so this
+# costs nothing per request), and a 2 s stop of an ingress replica where Serve waits 30 s by default for load
+# balancers to notice (HAProxy runs here; the drain of `deployments.shutdown` has already answered everything)
+LAUNCHER_ENV = {"RAY_SERVE_LOG_TO_STDERR": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+# the two switches that make the fast path (the message cap only raises a limit); Serve takes "1" as on
+FAST_PATH_SWITCHES = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_HA_PROXY")
+FAST_PATH_HINT = "for the fast one start Ray with {} (docs/service.md#fast-request-path)".format(
+    " ".join(f"{k}={v}" for k, v in FAST_PATH_ENV.items())
+)
 
 
 class RayCompatError(RuntimeError):
@@ -138,6 +189,16 @@ def _missing() -> list[str]:
         missing.append("ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER")
     if importlib.util.find_spec(TOKEN_AUTH_LOGGER) is None:
         missing.append(TOKEN_AUTH_LOGGER)
+    from ray.serve._private import constants as serve_constants
+    from ray.serve._private import handle_options
+
+    flags = {**FAST_PATH_ENV, **LAUNCHER_ENV}
+    missing += [f"ray.serve._private.constants.{k}" for k in flags if not hasattr(serve_constants, k)]
+    options = handle_options.InitHandleOptions
+    if not isinstance(options.__dict__.get("create"), classmethod) or "_run_router_in_separate_loop" not in {
+        f.name for f in dataclasses.fields(options)
+    }:
+        missing.append("ray.serve._private.handle_options.InitHandleOptions.create(_run_router_in_separate_loop=...)")
     from ray._private import worker as ray_worker
 
     # the errors the GCS pushes are printed through the module's name (so replacing it takes effect)
@@ -302,10 +363,31 @@ def without_serve_system_info(data: dict) -> dict | None:
     if data.get("actor_name") not in SERVE_SYSTEM_ACTORS:
         return data
     lines = data.get("lines") or []
-    kept = [line for line in lines if not line.startswith(QUIET_LEVELS)]
+    kept, dropping = [], False
+    for line in lines:  # a record's further lines (the controller's multi-line INFO) go with it
+        if line.startswith(LEVELS):
+            dropping = line.startswith(QUIET_LEVELS)
+        if not dropping:
+            kept.append(line)
     if not kept:
         return None
     return data if len(kept) == len(lines) else {**data, "lines": kept}
+
+
+def without_single_node_warning(data: dict) -> dict | None:
+    """A batch of log lines without the controller's warning that HAProxy on other nodes cannot reach the replicas
+    (`HAPROXY_HOST_WARNING`); every other line unchanged."""
+    lines = data.get("lines") or []
+    if data.get("actor_name") != "ServeController" or not any(HAPROXY_HOST_WARNING in line for line in lines):
+        return data
+    kept = [line for line in lines if HAPROXY_HOST_WARNING not in line]
+    return {**data, "lines": kept} if kept else None
+
+
+def quiet_single_node_warning() -> None:
+    """Drop the controller's "HAProxy on other nodes" warning from what this driver prints: for the launcher's own
+    Ray, which has one node. Idempotent; every other line passes."""
+    _print_only("single_node_warning", without_single_node_warning)
 
 
 def quiet_serve_system_info() -> None:
@@ -320,3 +402,72 @@ def quick_serve_polls() -> None:
     from ray.serve._private import client as serve_client
 
     serve_client.CLIENT_POLLING_INTERVAL_S = QUICK_POLL_S
+
+
+def use_fast_path(environ: dict | None = None) -> dict[str, str]:
+    """Put `FAST_PATH_ENV` and `LAUNCHER_ENV` into `environ` (default `os.environ`) where the user has not set a
+    variable (a value the user exported wins), before `ray.init` starts Ray's processes, which inherit it, and
+    before this process imports Ray Serve (its driver then agrees with them). Returns what it set."""
+    environ = os.environ if environ is None else environ
+    added = {k: v for k, v in {**FAST_PATH_ENV, **LAUNCHER_ENV}.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
+def request_path(environ: dict | None = None) -> str:
+    """The request path Serve takes in a process with `environ` (default `os.environ`; a replica's is its node's
+    Ray environment): "fast" with throughput mode and HAProxy, "throughput-optimised" with throughput mode
+    behind Serve's Python proxy, "haproxy" with HAProxy alone, "default" otherwise."""
+    environ = os.environ if environ is None else environ
+    throughput, haproxy = (environ.get(k) == "1" for k in FAST_PATH_SWITCHES)
+    if throughput and haproxy:
+        return "fast"
+    if haproxy:
+        return "haproxy"
+    return "throughput-optimised" if throughput else "default"
+
+
+def describe_request_path(environ: dict | None = None, hint: str = FAST_PATH_HINT) -> str:
+    """`request path fast (HAProxy, gRPC)`, or the slower path and how to switch (`hint`, one short line)."""
+    path = request_path(environ)
+    if path == "fast":
+        return "request path fast (HAProxy, gRPC)"
+    what = {
+        "throughput-optimised": "Serve's Python proxy, gRPC",
+        "haproxy": "HAProxy, actor calls",
+        "default": "Serve's Python proxy, actor calls",
+    }[path]
+    return f"request path {path} ({what}); {hint}"
+
+
+def in_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop now."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def sync_driver_handles() -> None:
+    """Give the handles this process first uses from plain Python (no running event loop) outside a replica a
+    router loop of their own, so that `.result()` works in throughput mode too (see the module docstring).
+    Idempotent; a handle first used from async code keeps Serve's choice, and so do handles made inside a replica
+    and an explicit `_run_router_in_separate_loop`."""
+    from ray.serve import context as serve_context
+    from ray.serve._private.handle_options import InitHandleOptions
+    from ray.serve._private.utils import DEFAULT
+
+    create = InitHandleOptions.__dict__["create"].__func__
+    if getattr(create, "sync_driver", False):
+        return
+
+    def create_with_own_loop(cls, **kwargs):
+        key = "_run_router_in_separate_loop"
+        unset = kwargs.get(key, DEFAULT.VALUE) == DEFAULT.VALUE
+        if unset and serve_context._get_internal_replica_context() is None and not in_event_loop():
+            kwargs[key] = True
+        return create(cls, **kwargs)
+
+    create_with_own_loop.sync_driver = True
+    InitHandleOptions.create = classmethod(create_with_own_loop)

@@ -37,7 +37,7 @@ from deployments.ingress.openai_api import EmbeddingRequest, api
 from deployments.ingress.security import ApiKeyAuth, UrlFetcher
 from deployments.llm_outputs import handle_item
 from deployments.metrics import IngressTelemetry, rss_bytes
-from deployments.ray_compat import check_ray, quiet_serve_noise
+from deployments.ray_compat import check_ray, describe_request_path, quiet_serve_noise
 from deployments.shutdown import DrainWatch
 
 logger = logging.getLogger("ray.serve")
@@ -77,10 +77,12 @@ class VisionIngress:
         self._http = HttpRoutes(a, *parts, auth, self.telemetry, self._pool, self._drain)
         self._handle = HandleCalls(a, *parts, self.telemetry, self._drain)
         logger.info(
-            "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request",
+            "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request, %s",
             "required" if auth.enabled else "off",
             f"from {', '.join(a.url_allowlist)}" if urls.enabled else "off",
             a.inflight_limit, a.request_timeout_s,
+            # this replica's environment is what Serve read in it; build_app's line has the longer hint
+            describe_request_path(hint="docs/service.md#fast-request-path"),
         )  # fmt: skip
 
     # -- Python handle API ------------------------------------------------------------------------------------

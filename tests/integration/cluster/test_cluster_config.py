@@ -92,6 +92,16 @@ def test_cluster_yaml_installs_the_mounted_checkout_and_the_served_model():
     assert f"--local-dir {model}" in setup  # the checkpoint serve_production.yaml serves is downloaded
 
 
+def test_cluster_yaml_starts_every_node_on_the_launchers_fast_path():
+    from deployments.ray_compat import FAST_PATH_ENV
+
+    config = cluster_config()
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in config[key] if "ray start" in c]
+        assigned = dict(w.split("=", 1) for w in shlex.split(start.split("ray start")[0]) if "=" in w)
+        assert {k: assigned.get(k) for k in FAST_PATH_ENV} == FAST_PATH_ENV, (key, start)
+
+
 def broken(mutate) -> dict:
     config = cluster_config()
     mutate(config)

@@ -49,3 +49,13 @@ def test_batch_cli_with_a_bad_model_exits_2_in_one_line(tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "'/nonexistent/dir': no such directory" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_the_launcher_reads_a_joined_clusters_request_path(ray_cluster):
+    """`python -m deployments --address ...`: the ready line's request path is the cluster's (a task's environment
+    on its nodes), not the launcher's."""
+    from deployments.__main__ import cluster_environ
+    from deployments.ray_compat import FAST_PATH_ENV
+
+    assert cluster_environ() == {k: os.environ[k] for k in FAST_PATH_ENV if k in os.environ}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from ray.serve import context as serve_context
 
@@ -158,6 +160,10 @@ def test_serve_system_actors_print_warnings_only_and_every_other_line_passes(mon
     data = {"lines": [line("INFO", "x"), line("WARNING", "y")], "actor_name": "ProxyActor"}
     assert ray_compat.without_serve_system_info(data) == {**data, "lines": [line("WARNING", "y")]}
     assert len(data["lines"]) == 2 and ray_compat.without_serve_system_info({**data, "lines": []}) is None
+    # a multi-line INFO record (the controller's "Throughput optimized Ray Serve enabled ...") goes whole
+    record = [line("INFO", "Throughput optimized Ray Serve enabled with:"), "  • Direct ingress enabled", ""]
+    data = {"lines": [*record, line("ERROR", "boom"), "  detail"], "actor_name": "ServeController"}
+    assert ray_compat.without_serve_system_info(data)["lines"] == [line("ERROR", "boom"), "  detail"]
 
 
 def test_serve_noise_is_dropped_and_every_other_serve_line_kept():
@@ -205,3 +211,68 @@ def test_serve_noise_is_dropped_and_every_other_serve_line_kept():
         target.removeHandler(handler)
         target.removeFilter(ray_compat._not_serve_noise)
         target.setLevel(level)
+
+
+def test_use_fast_path_sets_what_the_user_has_not_exported():
+    environ = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "1000", "PATH": "/bin"}
+    added = ray_compat.use_fast_path(environ)
+    assert added == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1", **ray_compat.LAUNCHER_ENV}
+    assert environ["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == "1000"  # the user's value wins
+    # one batch of 32 224x224 uint8 arrays (4.8 MB) fits the cap the launcher sets
+    assert int(ray_compat.FAST_PATH_ENV["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > 32 * 224 * 224 * 3
+    assert ray_compat.use_fast_path(environ) == {}
+
+
+def test_the_request_path_is_named_with_a_hint_when_slow():
+    assert ray_compat.request_path(dict(ray_compat.FAST_PATH_ENV)) == "fast"
+    assert ray_compat.describe_request_path(dict(ray_compat.FAST_PATH_ENV)) == "request path fast (HAProxy, gRPC)"
+    assert ray_compat.request_path({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}) == "throughput-optimised"
+    assert ray_compat.request_path({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "true"}) == "default"  # Serve takes "1" only
+    # a user's exported 0 wins over the launcher's 1
+    haproxy_only = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert ray_compat.describe_request_path(haproxy_only).startswith("request path haproxy (HAProxy, actor calls); ")
+    slow = ray_compat.describe_request_path({})
+    assert slow.startswith("request path default (Serve's Python proxy, actor calls); for the fast one start Ray")
+    assert all(f"{k}={v}" in slow for k, v in ray_compat.FAST_PATH_ENV.items())
+    assert ray_compat.describe_request_path({}, hint="HINT").endswith("; HINT")
+
+
+def test_the_fast_path_flags_are_the_ones_serve_reads():
+    from ray.serve._private import constants
+
+    assert all(hasattr(constants, name) for name in {**ray_compat.FAST_PATH_ENV, **ray_compat.LAUNCHER_ENV})
+
+
+def test_driver_handles_get_a_router_loop_of_their_own(monkeypatch):
+    from ray.serve._private import handle_options
+    from ray.serve._private.handle_options import InitHandleOptions
+    from ray.serve._private.utils import DEFAULT
+
+    monkeypatch.setattr(InitHandleOptions, "create", InitHandleOptions.__dict__["create"])  # restored after
+    ray_compat.sync_driver_handles()
+    ray_compat.sync_driver_handles()  # idempotent: one wrapper
+    assert InitHandleOptions.create()._run_router_in_separate_loop is True
+    assert InitHandleOptions.create(_run_router_in_separate_loop=DEFAULT.VALUE)._run_router_in_separate_loop is True
+    assert InitHandleOptions.create(_run_router_in_separate_loop=False)._run_router_in_separate_loop is False
+
+    async def from_async_code():  # a handle first used in a running loop keeps Serve's choice
+        return InitHandleOptions.create()._run_router_in_separate_loop
+
+    assert asyncio.run(from_async_code()) is handle_options.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
+
+
+def test_the_single_node_haproxy_warning_goes_and_nothing_else():
+    warning = f"WARNING 2026-12-05 controller 1 -- HTTPOptions.host='127.0.0.1' {ray_compat.HAPROXY_HOST_WARNING}; ..."
+    data = {"lines": [warning, "ERROR x -- other"], "actor_name": "ServeController"}
+    assert ray_compat.without_single_node_warning(data)["lines"] == ["ERROR x -- other"]
+    assert ray_compat.without_single_node_warning({**data, "lines": [warning]}) is None
+    assert ray_compat.without_single_node_warning({**data, "actor_name": "Other"}) == {**data, "actor_name": "Other"}
+
+
+def test_the_haproxy_host_warning_is_rays_wording():
+    import inspect
+
+    from ray.serve._private import controller
+
+    source = inspect.getsource(controller).replace('"\n                    "', "")  # the message's literals joined
+    assert ray_compat.HAPROXY_HOST_WARNING in source
