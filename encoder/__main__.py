@@ -23,7 +23,7 @@ from encoder.embedding_output import STDOUT, ImageEmbedding, check_output, write
 from encoder.errors import EncoderError, InvalidArgumentError, RandomWeightsWarning, reason
 from encoder.loading.hub import resolve_model
 from encoder.poolings import POOLINGS
-from encoder.preprocessing.images import ignore_pillow_bomb_warning
+from encoder.preprocessing.images import harden_pillow
 
 if TYPE_CHECKING:
     from encoder import PatchBatch, VisionEncoder
@@ -89,7 +89,7 @@ def preprocess_files(enc: VisionEncoder, paths: list[Path], data: list[bytes]) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ignore_pillow_bomb_warning()  # an image over our limit is one `error:` line, not a Pillow warning too
+    harden_pillow()  # the service's Pillow limits: an image over ours is one `error:` line, not a warning too
     try:
         if args.output is not None:  # before the model loads; the pooling is checked again once known
             check_output(args.output, args.pooling)

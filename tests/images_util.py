@@ -31,8 +31,8 @@ def random_image(mode: str, height: int, width: int, seed: int = 0) -> Image.Ima
     if mode == "P":
         return random_image("RGB", height, width, seed).quantize(64)
     if mode == "I;16":
-        # Values up to 1000 so some exceed 255: exercises PIL's saturating I;16 -> RGB conversion.
-        return Image.fromarray(rng(seed).integers(0, 1000, (height, width), dtype=np.uint16))
+        # The whole 16-bit range: `load_image` keeps the high byte, which carries the picture.
+        return Image.fromarray(rng(seed).integers(0, 65536, (height, width), dtype=np.uint16))
     if mode == "1":
         return random_image("L", height, width, seed).convert("1")
     raise ValueError(mode)
@@ -61,3 +61,15 @@ def png_bomb_header(width: int, height: int) -> bytes:
     idat = zlib.compress(b"\x00" * 64)
     chunks = _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", idat) + _png_chunk(b"IEND", b"")
     return b"\x89PNG\r\n\x1a\n" + chunks
+
+
+def png_with_text(side: int, megabytes: int, before_pixels: bool = False) -> bytes:
+    """A side x side RGB PNG carrying `megabytes` zTXt chunks that each decompress to 1,000,000 bytes (~1 KB
+    each in the file): a memory bomb in text chunks. After the pixel data (IDAT) by default, where Pillow reads
+    them during `load()`; before it, where `Image.open` does."""
+    png = encode(random_image("RGB", side, side), "PNG")
+    text = _png_chunk(b"zTXt", b"note\x00\x00" + zlib.compress(b"a" * 1_000_000, 9)) * megabytes
+    if before_pixels:
+        ihdr_end = 8 + 8 + 13 + 4  # signature, then IHDR: length and type, 13 bytes of fields, CRC
+        return png[:ihdr_end] + text + png[ihdr_end:]
+    return png[:-12] + text + png[-12:]  # before IEND (the last 12 bytes)

@@ -21,7 +21,7 @@ from deployments.batch.columns import ERROR, HEIGHT, INTERNAL, OUTPUT_COLUMNS, P
 from deployments.batch.image_files import DEFAULT_MAX_IMAGE_BYTES, read_image_file, resolve
 from encoder.errors import InvalidArgumentError
 from encoder.preprocessing.config import ProcessorConfig
-from encoder.preprocessing.images import ignore_pillow_bomb_warning, load_image
+from encoder.preprocessing.images import harden_pillow, load_image
 
 
 def image_column_kind(typ: pa.DataType) -> str:
@@ -103,7 +103,9 @@ def decode_batch(
 
     Never raises for a bad image: its row gets pixels = null, patches = 0 and the reason in `error`.
     """
-    ignore_pillow_bomb_warning()  # a Ray worker of ours: a refused bomb is its row's `error`, not a warning too
+    # A Ray worker of ours: the same Pillow hardening as the ingress (a refused bomb is its row's `error`, not a
+    # warning too; PNG text chunks capped at 8 MiB). Idempotent, so once per batch is once per process in effect.
+    harden_pillow(pp.max_image_pixels)
     check_input_schema(table.schema, image_column)
     kind = image_column_kind(table.schema.field(image_column).type)
     values = table.column(image_column).to_pylist()

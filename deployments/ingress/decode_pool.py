@@ -45,7 +45,7 @@ import numpy as np
 
 from encoder.errors import DecodeTimeoutError, DecodeWorkerError, EncoderError, reason
 from encoder.preprocessing.config import ProcessorConfig
-from encoder.preprocessing.images import ignore_pillow_bomb_warning, load_image
+from encoder.preprocessing.images import harden_pillow, load_image
 from encoder.preprocessing.qwen import DEFAULT_CONFIG
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,10 @@ def decode_resized(data: bytes, cfg: ProcessorConfig) -> np.ndarray:
 def _serve(conn, decode_fn: Callable, cfg) -> None:
     """A worker's main loop: bytes in, ('ok', shape) + pixel bytes or an error tuple out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
-    ignore_pillow_bomb_warning()  # a fresh process (forkserver): `cfg.max_image_pixels` decides, quietly
+    # A fresh process (forkserver) has Pillow's defaults: the ingress's hardening (PNG text chunks 8 MiB, not
+    # 64; `cfg.max_image_pixels` decides, quietly) must be set here too, or the larger pictures the pool
+    # decodes escaped the text-chunk cap that the small ones decoded in the ingress got.
+    harden_pillow(cfg.max_image_pixels)
     try:
         conn.send(("ready",))
         while True:

@@ -5,7 +5,7 @@ an `Opened`: a lazily opened image after the checks that need only its header (e
 allowlist, pixel count) and its patch count. `finish_input` decodes and resizes it with
 `encoder.preprocessing` (the same `load_image` and resize the model's own preprocessing runs). Between the
 two the ingress checks the request's patch total, so nothing of an over-limit request is decoded.
-`harden_pillow` sets Pillow's own process-wide limits for the ingress process.
+`harden_pillow` (`encoder.preprocessing.images`) sets Pillow's own process-wide limits for the ingress process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pybase64
-from PIL import Image, PngImagePlugin
+from PIL import Image
 
 from deployments.errors import ErrorCode, RequestError
 from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
@@ -27,8 +27,9 @@ from encoder.preprocessing.image_guard import check_structure
 from encoder.preprocessing.images import (
     canonical_format,
     check_image_size,
-    ignore_pillow_bomb_warning,
+    harden_pillow,  # noqa: F401 - the ingress deployment's, the same as every process of ours that decodes
     load_image,
+    text_chunks_refused,
 )
 
 # Declared media subtypes (data URL headers) -> Pillow format, to answer 415 for image types we do not read.
@@ -38,18 +39,7 @@ _MEDIA_FORMATS = {
     "heic": "HEIC", "heif": "HEIF", "avif": "AVIF", "jp2": "JPEG2000", "x-portable-pixmap": "PPM", "x-tga": "TGA",
     "vnd.adobe.photoshop": "PSD", "jxl": "JXL",
 }  # fmt: skip
-PNG_TEXT_MEMORY = 8 * 2**20
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,15}://")
-
-
-def harden_pillow(max_image_pixels: int) -> None:
-    """Process-wide Pillow limits for the ingress (its own process): the decompression-bomb threshold
-    (Pillow raises above twice it; `open_input` refuses anything above it from the header) and the memory
-    that PNG text chunks may decompress to (Pillow's default is 64 MiB per image); and no
-    DecompressionBombWarning for the images `open_input` refuses (`ignore_pillow_bomb_warning`)."""
-    Image.MAX_IMAGE_PIXELS = max_image_pixels
-    ignore_pillow_bomb_warning()
-    PngImagePlugin.MAX_TEXT_MEMORY = min(PngImagePlugin.MAX_TEXT_MEMORY, PNG_TEXT_MEMORY)
 
 
 def ingress_preprocess_config(model_pp: ProcessorConfig, max_image_pixels: int, formats) -> ProcessorConfig:
@@ -168,6 +158,8 @@ def open_image_bytes(data: bytes, pp: ProcessorConfig, media: str | None = None)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageTooLargeError(f"image refused as a decompression bomb: {reason(e)}") from None
     except Exception as e:  # noqa: BLE001 - Pillow plugins raise many types on garbage input
+        if (refused := text_chunks_refused(e)) is not None:  # PNG text chunks before the pixel data
+            raise refused from None
         fmt = _identify(data)
         if fmt is None and media:
             fmt = _MEDIA_FORMATS.get(media.removeprefix("image/"))

@@ -5,8 +5,15 @@ untrusted bytes, the RGB rule, and the accepted formats.
 config then resizes it (`cfg.resize`: `encoder.preprocessing.qwen`, `encoder.preprocessing.vit`). Details that
 matter for exactness (mirrored from transformers 5.x):
   * RGB conversion: images with an alpha band or a `transparency` entry are alpha-composited onto white;
-    everything else goes through PIL's `convert("RGB")` (so I;16 / I / F values saturate at 255, CMYK
-    uses PIL's naive formula). uint8 arrays become L/RGB/RGBA images and follow the same rule.
+    everything else goes through PIL's `convert("RGB")` (CMYK uses PIL's naive formula). uint8 arrays become
+    L/RGB/RGBA images and follow the same rule.
+  * Wider-than-8-bit grayscale (our rule, not transformers': PIL's `convert` saturates every value above 255,
+    so different pictures became the same white image): 16-bit modes (I;16, I;16L, I;16B, I;16N) keep their
+    high byte (`value >> 8`, what Pillow itself does when it opens a 16-bit RGB, RGBA or gray+alpha PNG, so a
+    16-bit gray PNG gives the same pixels as the same picture saved as 16-bit RGB); a 16-bit `transparency`
+    value is compared before the shift. Mode I (32-bit integer) follows the same rule when its values are
+    within 0..65535 and is refused otherwise; mode F (32-bit float) is refused: float pixels have no defined
+    range (1.0, 255 or 65535 may be white). Both refusals are InvalidImageError naming the mode.
   * EXIF orientation is applied to PIL and bytes inputs.
 Untrusted bytes are checked before full decode: structure (`encoder.preprocessing.image_guard`: JPEG scan counts,
 chunk and frame counts, CPU bombs), format allowlist, header size (decompression bombs).
@@ -23,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
-from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
+from encoder.errors import ImageDecodeError, ImageTooComplexError, ImageTooLargeError, InvalidImageError, reason
 from encoder.preprocessing.image_guard import DEFAULT_LIMITS, ImageLimits, check_structure
 
 DEFAULT_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"})
@@ -33,6 +40,10 @@ DEFAULT_MAX_IMAGE_PIXELS = 100_000_000
 # Pillow reports multi-picture JPEGs (most phone cameras) as "MPO"; they are JPEG files to users.
 _FORMAT_ALIASES = {"MPO": "JPEG"}
 _ORIENTATION = 0x0112  # the EXIF tag
+# What PNG text chunks (tEXt, zTXt, iTXt) may decompress to per image in our processes (`harden_pillow`);
+# Pillow's default is 64 MiB, from a file of a few KB.
+PNG_TEXT_MEMORY = 8 * 2**20
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,7 @@ def load_image(x: Any, cfg: DecodeLimits = DEFAULT_DECODE_LIMITS) -> Image.Image
         img = _decode(bytes(x), cfg)
     elif isinstance(x, Image.Image):
         check_image_size(x.width, x.height, cfg)
+        _check_mode(x.mode)  # before a lazily opened image is decoded
         img = _load(x)  # a lazily opened image may still hold undecoded (possibly truncated) data
     elif isinstance(x, np.ndarray):
         return _from_array(x, cfg)
@@ -108,12 +120,15 @@ def _decode(data: bytes, cfg: DecodeLimits) -> Image.Image:
             f"(accepted: {', '.join(sorted(cfg.allowed_formats))})"
         ) from e
     except Exception as e:  # Pillow plugins raise many types on garbage input
+        if (refused := text_chunks_refused(e)) is not None:  # text chunks before the pixel data
+            raise refused from e
         raise ImageDecodeError(f"cannot identify image data ({len(data)} bytes): {reason(e)}") from e
     if canonical_format(img.format) not in cfg.allowed_formats:
         raise ImageDecodeError(
             f"image format {img.format} is not allowed (allowed: {', '.join(sorted(cfg.allowed_formats))})"
         )
     check_image_size(img.width, img.height, cfg)  # before .load(): nothing big allocated yet
+    _check_mode(img.mode)  # the header tells: refused before the pixels are decoded
     return _load(img)
 
 
@@ -123,8 +138,39 @@ def _load(img: Image.Image) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageTooLargeError(f"image refused as a decompression bomb: {reason(e)}") from e
     except Exception as e:
+        if (refused := text_chunks_refused(e)) is not None:  # text chunks after the pixel data
+            raise refused from e
         raise ImageDecodeError(f"{img.format or img.mode} image is truncated or corrupt: {reason(e)}") from e
     return img
+
+
+def text_chunks_refused(e: BaseException) -> ImageTooComplexError | None:
+    """Pillow's refusal of PNG text chunks over `PngImagePlugin.MAX_TEXT_MEMORY` (all of an image's) or
+    `MAX_TEXT_CHUNK` (one chunk), worded as our limit; None for any other error. Pillow raises a bare
+    ValueError whose message names the setting: that name is the only way to tell."""
+    text = str(e)
+    if not isinstance(e, ValueError) or "MAX_TEXT_" not in text:
+        return None
+    return ImageTooComplexError(
+        f"PNG text chunks (zTXt, iTXt, tEXt) decompress to more than the limit of "
+        f"{PngImagePlugin.MAX_TEXT_MEMORY} bytes per image ({PngImagePlugin.MAX_TEXT_CHUNK} per chunk): {text}"
+    )
+
+
+def harden_pillow(max_image_pixels: int | None = None) -> None:
+    """Pillow's process-wide limits, for every process of ours that decodes untrusted images (the ingress, its
+    decode workers, the batch job's decode tasks, the CLI), called where the process starts (idempotent):
+      * what PNG text chunks may decompress to: `PNG_TEXT_MEMORY` per image (Pillow's default is 64 MiB;
+        never raised), refused as ImageTooComplexError (a process without it accepted 60 MB of zTXt);
+      * with `max_image_pixels` (the process's own limit), Pillow's decompression-bomb threshold at it, so
+        Pillow's error (at twice it) never refuses an image our limit lets through;
+      * `ignore_pillow_bomb_warning`.
+    Module globals of Pillow: a process that decodes with two limits gets the last one's threshold. Library
+    callers' processes (`VisionEncoder`) keep their own Pillow settings: it is not called there."""
+    if max_image_pixels is not None:
+        Image.MAX_IMAGE_PIXELS = max_image_pixels
+    ignore_pillow_bomb_warning()
+    PngImagePlugin.MAX_TEXT_MEMORY = min(PngImagePlugin.MAX_TEXT_MEMORY, PNG_TEXT_MEMORY)
 
 
 def ignore_pillow_bomb_warning() -> None:
@@ -148,8 +194,40 @@ def _exif_transpose(img: Image.Image) -> Image.Image:
         return img
 
 
+def _check_mode(mode: str) -> None:
+    if mode == "F":
+        raise InvalidImageError(
+            "image mode F (32-bit float) is not accepted: float pixels have no defined range (white may be 1.0, "
+            "255 or 65535); convert the image to 8 bits (mode L or RGB) first"
+        )
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """16-bit and 32-bit integer grayscale -> L (LA where a `transparency` value is set) by the module's rule:
+    the high byte of a 16-bit value. Other modes are returned as they are; F is refused."""
+    _check_mode(img.mode)
+    if img.mode != "I" and img.mode not in _SIXTEEN_BIT_MODES:
+        return img
+    values = np.asarray(img)  # uint16 (big-endian for I;16B) or int32 for I
+    if img.mode == "I" and values.size:
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high > 65535:
+            raise InvalidImageError(
+                f"image mode I (32-bit integer) is accepted with 16-bit values (0..65535) only; this one holds "
+                f"{low}..{high}: scale it to 16 or 8 bits first"
+            )
+    gray = Image.fromarray((values >> 8).astype(np.uint8))
+    transparent = img.info.get("transparency")
+    if isinstance(transparent, int):
+        # compared at 16 bits: 257 values share each high byte, only the one named is transparent
+        alpha = np.where(values == transparent, 0, 255).astype(np.uint8)
+        return Image.merge("LA", (gray, Image.fromarray(alpha)))
+    return gray
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
-    """RGB conversion with the same rule as transformers' convert_to_rgb for PIL images."""
+    """RGB conversion with the same rule as transformers' convert_to_rgb for PIL images (8-bit modes)."""
+    img = _to_8bit(img)
     try:
         if "A" in img.getbands() or img.info.get("transparency") is not None:
             rgba = img.convert("RGBA")

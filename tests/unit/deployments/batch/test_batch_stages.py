@@ -78,6 +78,24 @@ def test_decode_batch_never_raises_and_keeps_columns(tmp_path):
     assert out.column(PATCHES).to_pylist()[0] == out.column(PATCHES).to_pylist()[1] > 0
 
 
+def test_decode_batch_refuses_a_png_text_chunk_bomb(monkeypatch):
+    """A decode task is a process of ours like the ingress (issue 44 case 8): Pillow's text-chunk limit is ours
+    (8 MiB, not Pillow's 64), so 60 MB of zTXt is an error row, not pixels."""
+    import warnings
+
+    from PIL import Image, PngImagePlugin
+
+    from tests.images_util import png_with_text
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # decode_batch's are process-wide
+    monkeypatch.setattr(PngImagePlugin, "MAX_TEXT_MEMORY", 64 * 2**20)  # Pillow's default: a fresh Ray worker's
+    table = pa.table({"image": pa.array([png_with_text(512, 60)], pa.binary())})
+    with warnings.catch_warnings():  # and the warning filter it adds
+        out = decode_batch(table, image_column="image", pp=preprocess_config_for("tiny"), path_root=None)
+    (error,) = out.column(ERROR).to_pylist()
+    assert error is not None and error.startswith("ImageTooComplexError: PNG text chunks"), error
+
+
 def test_actor_matches_encoder_and_marks_errors():
     pp = preprocess_config_for("tiny")
     ids, images, bad = make_rows(30, seed=5, corrupt_every=4)

@@ -242,3 +242,55 @@ def test_a_worker_prints_no_pillow_bomb_warning(capfd):
     parent.close()
     proc.join(60)
     assert "DecompressionBombWarning" not in capfd.readouterr().err
+
+
+def test_a_worker_refuses_a_png_text_chunk_bomb(pool):
+    """Issue 44 case 8. Broken: a worker (a fresh forkserver process) had Pillow's default text-chunk limit, 64 MiB,
+    so 60 MB of zTXt in a picture large enough for the pool (512x512) decoded; the same chunks in a 64x64 one,
+    decoded in the ingress process, were refused. Workers now apply the ingress's hardening (`harden_pillow`)."""
+    from tests.images_util import png_with_text
+
+    with pytest.raises(ImageTooComplexError, match="PNG text chunks .* more than the limit of 8388608 bytes"):
+        _decode_soon(pool, png_with_text(512, 60))
+    assert _decode_soon(pool, JPEG).shape == (224, 200, 3)  # the worker lives on
+
+
+def test_the_ingress_refuses_a_text_chunk_bomb_on_the_loop_and_in_a_worker(monkeypatch):
+    """The ingress's two decode paths (a 64x64 picture on the event loop, a 512x512 one in a decode process)
+    give the same 413 `image_too_complex` naming the input."""
+    import warnings
+    from concurrent.futures import ThreadPoolExecutor
+
+    from PIL import Image, PngImagePlugin
+
+    from deployments.errors import ErrorCode, classify
+    from deployments.ingress.decoding import IngressDecoder
+    from deployments.ingress.inputs import harden_pillow
+    from deployments.ingress.security import UrlFetcher
+    from deployments.metrics import RecentTimings
+    from tests.images_util import png_with_text
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # harden_pillow's are process-wide
+    monkeypatch.setattr(PngImagePlugin, "MAX_TEXT_MEMORY", PngImagePlugin.MAX_TEXT_MEMORY)
+
+    async def refusals(decoder) -> list[BaseException]:
+        out = []
+        for side in (64, 512):
+            try:
+                await asyncio.wait_for(decoder.prepare([png_with_text(side, 60)], DEFAULT_CONFIG, "input"), 60)
+            except ImageTooComplexError as e:
+                out.append(e)
+        return out
+
+    with warnings.catch_warnings(), ThreadPoolExecutor(2) as threads:  # the filter harden_pillow adds
+        harden_pillow(DEFAULT_CONFIG.max_image_pixels)  # as the ingress replica's constructor does
+        decoder = IngressDecoder(threads, UrlFetcher(()), 10**7, RecentTimings(), processes=1, timeout_s=30.0)
+        try:
+            refused = asyncio.run(refusals(decoder))
+            assert len(decoder.pids()) == 1  # the 512x512 one went to a decode process
+        finally:
+            decoder.close()
+    assert len(refused) == 2, refused
+    for e in refused:
+        assert str(e).startswith("input[0]: PNG text chunks"), e
+        assert classify(e).error is ErrorCode.IMAGE_TOO_COMPLEX and ErrorCode.IMAGE_TOO_COMPLEX.status == 413

@@ -205,7 +205,7 @@ def test_real_size_preprocessing_matches_hf(family):
     assert pp.output_size == ((224, 224) if family == "clip" else (378, 378))
 
 
-@pytest.mark.parametrize("mode", ["RGBA", "P", "CMYK", "I;16"])
+@pytest.mark.parametrize("mode", ["RGBA", "P", "CMYK"])  # not I;16: our rule, not HF's (test_image_modes.py)
 def test_modes_match_hf(mode):
     img = random_image(mode, 150, 97, seed=7)
     assert_preprocess_matches([img], VitPreprocessConfig.for_model(preset("clip-vit-l-14")), hf_processor("clip"))
