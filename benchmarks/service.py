@@ -13,6 +13,8 @@ Prints a markdown table (and writes JSON with --json). Phases:
 
 GPU (H200):  python -m benchmarks.service --model qwen2.5-vl-7b --replicas-per-gpu 2 --ingress-replicas 4
 CPU check:   python -m benchmarks.service --model tiny --quick
+The service as README command 1 starts it (`python -m deployments`, nothing exported; its own defaults):
+  python -m benchmarks.service --model qwen2.5-vl-7b --launcher fast      (and --launcher default)
 Ray's proxy alternatives are environment flags read when Serve starts, e.g.
   RAY_SERVE_ENABLE_HA_PROXY=1 python -m benchmarks.service ...   (or RAY_SERVE_ENABLE_DIRECT_INGRESS=1)
 """
@@ -76,6 +78,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--router", default=None, help="request router import path for the main phases")
     p.add_argument("--router-compare", action="store_true", help="add the mixed-load router comparison")
     p.add_argument("--serve-mode", default="haproxy", choices=sorted(SERVE_MODES), help="Ray Serve's request path")
+    p.add_argument(
+        "--launcher", default=None, choices=["fast", "default"],
+        help="serve through `python -m deployments --request-path X model=--model` in a subprocess started with none "
+        "of Serve's variables exported (its defaults for everything else) instead of serve.run in this process",
+    )  # fmt: skip
+    p.add_argument("--launcher-log", default="/tmp/launcher.log", help="the launcher's output (--launcher)")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--client-procs", type=int, default=0, help="spread callers over N Ray actors (0: this process)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measured phase")
@@ -301,7 +309,7 @@ async def service_phases(a, gpus: int, base_url: str) -> list[dict]:
 
     from encoder.preprocessing.qwen import PreprocessConfig
 
-    handle = deploy(app_args(a, gpus))
+    handle = serve.get_app_handle("bench") if a.launcher else deploy(app_args(a, gpus))
     pp_dict = (await handle.info.remote())["preprocess"]
     imgs = images(224, 64, PreprocessConfig.model_validate(pp_dict), seed=1)
     rows = []
@@ -325,7 +333,8 @@ async def service_phases(a, gpus: int, base_url: str) -> list[dict]:
         rows += await idle_breakdown(handle, base_url, imgs[0], bodies[0])
     for rid, stats in sorted((await replica_stats(handle.ingress_stats, 4 * a.ingress_replicas)).items()):
         print(f"  ingress replica {rid}: {stats}", file=sys.stderr)
-    serve.delete("bench")
+    if not a.launcher:  # the launcher's application goes when the launcher stops
+        serve.delete("bench")
     return rows
 
 
@@ -354,6 +363,8 @@ async def router_phases(a, gpus: int) -> list[dict]:
 async def serve_phases(a, gpus: int, base_url: str) -> list[dict]:
     from ray import serve
 
+    if a.launcher:
+        return await service_phases(a, gpus, base_url)
     try:
         rows = await service_phases(a, gpus, base_url)
         if a.router_compare:
@@ -361,6 +372,54 @@ async def serve_phases(a, gpus: int, base_url: str) -> list[dict]:
     finally:
         serve.shutdown()  # inside the loop that owns this process's handles
     return rows
+
+
+def start_launcher(a, port: int):
+    """`python -m deployments` as a newcomer runs it: none of Serve's variables in its environment, no cluster
+    address; returns the process once /health answers 200 (its output in --launcher-log)."""
+    import subprocess
+    import urllib.request
+
+    from deployments.ray_compat import FAST_PATH_ENV, LAUNCHER_ENV
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {*FAST_PATH_ENV, *LAUNCHER_ENV, *_DRAIN, "RAY_ADDRESS", "RAY_AUTH_MODE"}
+    }
+    cmd = [sys.executable, "-m", "deployments", "--port", str(port), "--name", "bench",
+           "--request-path", a.launcher, f"model={a.model}"]  # fmt: skip
+    cmd += [f"{k}={v}" for k, v in (("dtype", a.dtype), ("attention", a.attention), ("buckets", a.buckets)) if v]
+    t = time.perf_counter()
+    log = open(a.launcher_log, "w")  # noqa: SIM115 (the child writes it until it stops)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the launcher exited with {proc.returncode}: see {a.launcher_log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.perf_counter() - t > 600:
+            proc.kill()
+            raise SystemExit(f"the launcher was not ready in 600 s: see {a.launcher_log}")
+        time.sleep(0.5)  # polling a process we do not control: nothing to wait on
+    print(f"launcher ({a.launcher} path) ready in {time.perf_counter() - t:.1f}s: {' '.join(cmd)}", file=sys.stderr)
+    return proc
+
+
+def stop_launcher(proc) -> None:
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)  # its graceful stop: drain, then Serve and Ray
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def run_async(coro):
@@ -375,6 +434,10 @@ def run_async(coro):
 
 def main() -> None:
     a = parse_args()
+    if a.launcher:  # this driver's handles use the path the launcher's Ray runs (set before `import ray`)
+        a.serve_mode = "haproxy" if a.launcher == "fast" else "default"
+        a.router_compare = False
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # to join the launcher's Ray, which keeps tokens on
     os.environ.update(SERVE_MODES[a.serve_mode])
     import ray
     import torch
@@ -386,20 +449,26 @@ def main() -> None:
     gc.collect()  # the engine's graphs and pool go before the replicas capture theirs
     if gpus:
         torch.cuda.empty_cache()
-    ray.init(num_cpus=max(8, os.cpu_count() or 1) if not gpus else None, include_dashboard=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    launcher = start_launcher(a, port) if a.launcher else None
     try:
+        if launcher is not None:
+            ray.init(address="auto", namespace="serve")
+        else:
+            ray.init(num_cpus=max(8, os.cpu_count() or 1) if not gpus else None, include_dashboard=False)
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
         rows += run_async(serve_phases(a, gpus, f"http://127.0.0.1:{port}"))
     finally:
         ray.shutdown()
+        if launcher is not None:
+            stop_launcher(launcher)
     engine = max((r["img_s"] for r in rows if r["phase"].startswith("engine")), default=float("nan"))
     print(f"\nmodel {a.model} on {torch.cuda.get_device_name() if gpus else 'CPU'}; {a.clients} clients, "
           f"{a.duration:g}s per phase; replicas/GPU {a.replicas_per_gpu}, ingress replicas {a.ingress_replicas}, "
           f"ingress batch {a.ingress_batch_size}, batcher {a.batcher}, pipeline depth {a.pipeline_depth or 'default'}, "
-          f"serve mode {a.serve_mode}\n")  # fmt: skip
+          f"serve mode {a.serve_mode}{' (launcher)' if a.launcher else ''}\n")  # fmt: skip
     print("| phase | img/s | p50 ms | p99 ms | % of engine |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:

@@ -26,7 +26,7 @@ from deployments.batch.manifest import OutputWriteError
 from deployments.batch.options import JobConfig
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
-from encoder.preprocessing.images import ignore_pillow_bomb_warning
+from encoder.preprocessing.images import harden_pillow
 from workspace.buckets import BucketError
 
 
@@ -104,7 +104,7 @@ _CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    ignore_pillow_bomb_warning()  # the driver reads sample headers; a bomb among them is an error row later
+    harden_pillow()  # the driver reads sample headers (text-chunk cap, quiet bombs); a bomb is an error row later
     try:
         summary = run_job(cfg)
     except (EncoderError, BucketError) as exc:
