@@ -14,7 +14,7 @@ Prints a markdown table (and writes JSON with --json). Phases:
 GPU (H200):  python -m benchmarks.service --model qwen2.5-vl-7b --replicas-per-gpu 2 --ingress-replicas 4
 CPU check:   python -m benchmarks.service --model tiny --quick
 The service as README command 1 starts it (`python -m deployments`, nothing exported; its own defaults):
-  python -m benchmarks.service --model qwen2.5-vl-7b --launcher fast      (and --launcher default)
+  RAY_AUTH_MODE=token python -m benchmarks.service --model qwen2.5-vl-7b --launcher fast   (and --launcher default)
 Ray's proxy alternatives are environment flags read when Serve starts, e.g.
   RAY_SERVE_ENABLE_HA_PROXY=1 python -m benchmarks.service ...   (or RAY_SERVE_ENABLE_DIRECT_INGRESS=1)
 """
@@ -410,6 +410,19 @@ def start_launcher(a, port: int):
     return proc
 
 
+def launcher_ray_address(pid: int) -> str:
+    """The GCS address of the Ray instance the launcher (process `pid`) started: Ray names a session directory
+    after the process that started it (this machine may run other Ray instances, so not `address="auto"`)."""
+    import glob
+
+    from ray.util import get_node_ip_address
+
+    for session in sorted(glob.glob(f"/tmp/ray/session_*_{pid}")):
+        for port_file in glob.glob(f"{session}/gcs_server_port_*"):
+            return f"{get_node_ip_address()}:{Path(port_file).read_text().strip()}"
+    raise SystemExit(f"no Ray session of process {pid} under /tmp/ray")
+
+
 def stop_launcher(proc) -> None:
     import signal
     import subprocess
@@ -437,7 +450,10 @@ def main() -> None:
     if a.launcher:  # this driver's handles use the path the launcher's Ray runs (set before `import ray`)
         a.serve_mode = "haproxy" if a.launcher == "fast" else "default"
         a.router_compare = False
-        os.environ.setdefault("RAY_AUTH_MODE", "token")  # to join the launcher's Ray, which keeps tokens on
+        if os.environ.get("RAY_AUTH_MODE") != "token":  # read when Ray's core is imported, above
+            raise SystemExit(
+                "--launcher joins the launcher's Ray, which keeps token authentication on: run with RAY_AUTH_MODE=token"
+            )
     os.environ.update(SERVE_MODES[a.serve_mode])
     import ray
     import torch
@@ -455,7 +471,7 @@ def main() -> None:
     launcher = start_launcher(a, port) if a.launcher else None
     try:
         if launcher is not None:
-            ray.init(address="auto", namespace="serve")
+            ray.init(address=launcher_ray_address(launcher.pid), namespace="serve")
         else:
             ray.init(num_cpus=max(8, os.cpu_count() or 1) if not gpus else None, include_dashboard=False)
             serve.start(http_options={"host": "127.0.0.1", "port": port})
