@@ -92,10 +92,21 @@ def test_serve_client_waits_poll_quickly_and_the_check_names_the_constant(monkey
     assert ray_compat._missing() == ["ray.serve._private.client.CLIENT_POLLING_INTERVAL_S"]
 
 
+def rays_own_printer():
+    """Ray's `print_to_stdstream` without the filters of `ray_compat`: a test process that built the app earlier
+    (serve.run of build_app, the launcher in-process) has them installed for good."""
+    from ray._private import worker as ray_worker
+
+    printer = ray_worker.print_to_stdstream
+    while hasattr(printer, "quiet_markers"):
+        printer = printer.__wrapped__
+    return printer
+
+
 def test_serve_shutdown_notice_is_dropped_and_other_pushed_errors_printed(monkeypatch, capsys):
     from ray._private import worker as ray_worker
 
-    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored afterwards
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", rays_own_printer())  # restored afterwards
     ray_compat.quiet_serve_shutdown_notice()
     ray_compat.quiet_serve_shutdown_notice()
     notice = (
@@ -126,7 +137,7 @@ def test_serve_system_actors_print_warnings_only_and_every_other_line_passes(mon
     assert names == ray_compat.SERVE_SYSTEM_ACTORS
     assert ServeFormatter.COMPONENT_LOG_FMT.startswith("%(levelname)s ")
     assert "actor_name" in inspect.getsource(ray_worker.print_worker_logs)
-    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored afterwards
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", rays_own_printer())  # restored afterwards
     ray_compat.quiet_serve_shutdown_notice()
     ray_compat.quiet_serve_system_info()
     ray_compat.quiet_serve_system_info()
