@@ -274,6 +274,17 @@ class IngressArgs(BaseModel):
     encoder_retry_backoff_s: float = Field(
         0.05, ge=0, description="First retry delay; doubles per retry (with jitter), capped at 2 s."
     )
+    replica_stall_timeout_s: float = Field(
+        3.0,
+        gt=0,
+        le=600,
+        description="An encoder replica that has answered none of this ingress's calls for this long while one "
+        "waited on it (or none of its liveness probes, about every quarter of it) is judged stalled (hung, frozen): "
+        "the router stops sending to it, calls waiting on it are cancelled there and retried on another replica, "
+        "/health counts it as not serving, and while no replica makes progress requests are answered 503 at once. "
+        "Must exceed the longest legitimate batch (a GPU batch takes well under a second); it ends when the replica "
+        "answers again (deployments.routing.progress).",
+    )
     access_log: bool = Field(
         False, description="Serve's per-request access log lines (ingress and encoder replicas); off by default."
     )

@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these twelve have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these thirteen have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -15,7 +15,13 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   when Serve sends requests over gRPC (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, whose gRPC messages have a cap).
 * `SelectionHook`: a mixin for `RequestRouter` subclasses that calls `on_replica_selected(replica)` after
   Ray's own pick (its private `_select_from_candidate_replicas`), which the `BucketRouter` uses to count
-  a selection in the queue-length cache at once rather than when the request is sent.
+  a selection in the queue-length cache at once rather than when the request is sent; and
+  `on_request_assigned(replica, internal_request_id)` after Ray's private `_fulfill_next_pending_request` hands
+  the replica to a request, which `routing.progress` needs to know which replica each encoder call waits on. The
+  public `on_request_routed` comes only once the replica accepted the request (Serve's strict
+  `max_ongoing_requests` asks it first), which a frozen replica never does (issue 44).
+* `call_with_request_id(request_id, method, ...)`: `call_as_new_request` with an id the caller chose, so the
+  ingress can follow its call to the replica the router assigns it (`routing.progress`).
 * `queue_len_cache_enabled(router)`: whether Ray keeps that cache at all (`_use_replica_queue_len_cache`).
 * `live_replica_count(app, deployment)`: the replica actors the GCS knows alive, by the actor name Serve gives
   them (`REPLICA_ID_FULL_ID_STR_PREFIX` + `app#deployment#id`, in `ray.serve._private.common`). `/health`
@@ -181,6 +187,9 @@ def _missing() -> list[str]:
         missing.append("ray.serve.handle.DeploymentHandle.options(_by_reference=...)")
     if not inspect.iscoroutinefunction(getattr(RequestRouter, "_select_from_candidate_replicas", None)):
         missing.append("ray.serve.request_router.RequestRouter._select_from_candidate_replicas")
+    fulfill = getattr(RequestRouter, "_fulfill_next_pending_request", None)
+    if not callable(fulfill) or list(inspect.signature(fulfill).parameters)[1:3] != ["replica", "request_metadata"]:
+        missing.append("ray.serve.request_router.RequestRouter._fulfill_next_pending_request")
     if "_use_replica_queue_len_cache" not in RequestRouter.__init__.__code__.co_names:
         missing.append("ray.serve.request_router.RequestRouter._use_replica_queue_len_cache")
     if not isinstance(getattr(serve_common, "REPLICA_ID_FULL_ID_STR_PREFIX", None), str):
@@ -242,12 +251,22 @@ def check_ray() -> None:
 def call_as_new_request(method, *args, **kwargs):
     """`method.remote(*args, **kwargs)` as a request of its own: the current Serve request context with a
     fresh internal request id (see the module docstring)."""
+    return call_with_request_id(new_request_id(), method, *args, **kwargs)
+
+
+def new_request_id() -> str:
+    return str(uuid.uuid4())
+
+
+def call_with_request_id(request_id: str, method, *args, **kwargs):
+    """`call_as_new_request` whose internal request id is `request_id` (from `new_request_id()`): the id the
+    router's `on_request_assigned` sees."""
 
     from ray.serve import context as serve_context
 
     def call():
         current = serve_context._get_serve_request_context()
-        own = dataclasses.replace(current, _internal_request_id=str(uuid.uuid4()))
+        own = dataclasses.replace(current, _internal_request_id=request_id)
         serve_context._serve_request_context.set(own)
         return method.remote(*args, **kwargs)
 
@@ -266,7 +285,8 @@ def queue_len_cache_enabled(router: RequestRouter) -> bool:
 
 class SelectionHook:
     """Mixin for a `RequestRouter` subclass (list it first): `on_replica_selected(replica)` runs right after
-    Ray picked the replica for a request, before Ray's routing task sends anything."""
+    Ray picked the replica for a request, before Ray's routing task sends anything; `on_request_assigned(replica,
+    internal_request_id)` once that pick is handed to the request."""
 
     async def _select_from_candidate_replicas(self, candidates, backoff_index: int):
         replica = await super()._select_from_candidate_replicas(candidates, backoff_index)
@@ -276,6 +296,14 @@ class SelectionHook:
 
     def on_replica_selected(self, replica) -> None:
         """Ray chose `replica` for a pending request."""
+
+    def _fulfill_next_pending_request(self, replica, request_metadata=None):
+        super()._fulfill_next_pending_request(replica, request_metadata)
+        if request_metadata is not None:
+            self.on_request_assigned(replica, request_metadata.internal_request_id)
+
+    def on_request_assigned(self, replica, internal_request_id: str) -> None:
+        """Ray handed `replica` to the pending request of that id (it is sent next, unless it was cancelled)."""
 
 
 def live_replica_count(app_name: str, deployment: str) -> int:

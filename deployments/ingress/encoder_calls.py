@@ -10,8 +10,12 @@ dtype=..., num_patches=n, num_images=k)` (per-token LLM-ready outputs in a wire 
 * splitting: a request above the encoder's batch limits goes as several calls (`chunk`, "packs"), at most
   `ingress_packs_in_flight` of them at once, so other callers' requests interleave with a large one;
 * cancelling: a call given up (deadline, client gone, a sibling pack failed) is cancelled at the encoder
-  too (`aio.await_cancelling`), and a request's packs not yet sent are not sent;
+  too (`StallWatch.call`, as `aio.await_cancelling` does), and a request's packs not yet sent are not sent;
 * retries: a call whose replica died or is unavailable is retried with backoff (encoding is idempotent);
+* hung replicas (`routing.progress`): a call waiting on a replica that made no progress for
+  `replica_stall_timeout_s` is cancelled there and retried on another (`StallWatch`), and while no replica makes
+  progress a call is not sent at all: it fails at once (`ReplicaStalledError`, 503 `encoder_unavailable` once the
+  retries are spent) instead of waiting out the request's deadline;
 * transport: a call goes by reference (Ray's object store, as a Ray actor task) when its pixels exceed 2 MiB
   or its answer is expected to exceed 256 KiB (`answer_bytes`: per-token outputs), else inline over gRPC
   in Ray's throughput mode. Over gRPC the encoder replica pickles each answer into its response message on
@@ -38,14 +42,15 @@ import numpy as np
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from deployments.aio import await_cancelling, gather_or_cancel
+from deployments.aio import gather_or_cancel
 from deployments.batching import ContinuousBatcher
 from deployments.config import AppArgs
 from deployments.errors import UNAVAILABLE_ERRORS
 from deployments.ingress.inputs import ingress_preprocess_config
 from deployments.llm_outputs import wire_itemsize
 from deployments.metrics import IngressTelemetry
-from deployments.ray_compat import by_reference, call_as_new_request
+from deployments.ray_compat import by_reference, call_with_request_id, new_request_id
+from deployments.routing.progress import ReplicaProgress, ReplicaStalledError, no_progress_message, progress_for
 from deployments.wire import EncodeRequest, group
 from encoder.preprocessing.families import preprocess_config_from_dump
 
@@ -89,6 +94,77 @@ def backoff_s(attempt: int, base_s: float, cap_s: float = 2.0) -> float:
     return min(cap_s, base_s * 2 ** (attempt - 1)) * (0.5 + random.random())
 
 
+# what a replica raising proves: it ran the call (an answer of its own), unlike these, which come from Ray or this
+# process (the replica died or was unreachable; the call was cancelled)
+_NOT_ANSWERED = (*UNAVAILABLE_ERRORS, asyncio.CancelledError)
+
+
+class StallWatch:
+    """Encoder calls followed to their replica (`routing.progress`): `await watch.call(method, *args, **kwargs)` is
+    `call_as_new_request(method, ...)` that raises `ReplicaStalledError` instead of waiting on once its replica is
+    judged stalled (or, not yet given to one, once none makes progress), after cancelling the call there. One
+    ticker task checks every waiting call every `stall_timeout_s / 8` (at most 0.25 s) while any waits."""
+
+    def __init__(self, progress: ReplicaProgress):
+        self.progress = progress
+        self._waiting: dict[str, asyncio.Future] = {}  # call id -> set to the error when its call is given up
+        self._ticker: asyncio.Task | None = None
+
+    def unavailable(self) -> ReplicaStalledError | None:
+        """The error a call sent now would end in, when no replica makes progress."""
+        progress = self.progress
+        if progress.no_progress():
+            return ReplicaStalledError(no_progress_message(progress.replica_count(), progress.stall_timeout_s))
+        return None
+
+    async def call(self, method, *args, **kwargs):
+        error = self.unavailable()
+        if error is not None:
+            raise error
+        call_id = new_request_id()
+        self.progress.begin(call_id)
+        given_up = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = given_up
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.create_task(self._tick())
+        response = call_with_request_id(call_id, method, *args, **kwargs)
+        answer = asyncio.ensure_future(response)
+        answered = False
+        try:
+            await asyncio.wait((answer, given_up), return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done():
+                raise given_up.result()
+            try:
+                result = answer.result()
+            except _NOT_ANSWERED:
+                raise
+            except BaseException:
+                answered = True  # the replica's own error (a bad input, its deadline): it is running
+                raise
+            answered = True
+            return result
+        finally:
+            del self._waiting[call_id]
+            given_up.cancel()
+            if not answer.done():
+                # give up before cancelling: the cancellation is not the replica's answer (`progress.end`)
+                self.progress.end(call_id, answered=False)
+                response.cancel()
+                answer.cancel()
+            else:
+                self.progress.end(call_id, answered=answered)
+
+    async def _tick(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(min(0.25, self.progress.stall_timeout_s / 8))
+            for call_id, given_up in list(self._waiting.items()):
+                if given_up.done():
+                    continue
+                error = self.progress.verdict(call_id)
+                if error is not None:
+                    given_up.set_result(error)
+
+
 async def call_with_retries(
     call: Callable[[], Awaitable[T]],
     retries: int,
@@ -122,6 +198,9 @@ class EncoderClient:
         self._telemetry = telemetry
         self._info: dict | None = None
         self._info_lock = asyncio.Lock()
+        progress = progress_for(encoder.app_name)
+        progress.configure(args.replica_stall_timeout_s)
+        self._watch = StallWatch(progress)
         self._merge = None
         if args.ingress_batch_size > 1:
             limit = args.ingress_batch_size
@@ -135,7 +214,7 @@ class EncoderClient:
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    info = await self._retrying(lambda: await_cancelling(call_as_new_request(self._encoder.describe)))
+                    info = await self._retrying(lambda: self._watch.call(self._encoder.describe))
                     model_pp = preprocess_config_from_dump(info["preprocess"])
                     info["preprocess_config"] = ingress_preprocess_config(
                         model_pp, self.args.max_image_pixels, self.args.image_formats
@@ -193,7 +272,7 @@ class EncoderClient:
 
             async def timed() -> list:
                 started = time.perf_counter()
-                out = await await_cancelling(call_as_new_request(method, pack.arrays, **kwargs))
+                out = await self._watch.call(method, pack.arrays, **kwargs)
                 self._telemetry.timings["encoder_call"].add(**{route: time.perf_counter() - started})
                 return out
 

@@ -11,6 +11,11 @@ replicas is capped by the live replica actors the GCS knows (`ray_compat.live_re
 soon as the actor's process is gone. The answer is cached for `CACHE_S`: load balancers probe often and both
 lookups are round trips (a GCS and a controller call); with it the 503 follows the last replica's death
 within ~1 s, under the issue's 2 s on a loaded 2-CPU box.
+
+A replica whose actor lives but whose process makes no progress (frozen, hung: issue 44) passes both counts, so
+the replicas this process's router judges stalled (`routing.progress`: a call or a liveness probe unanswered for
+`replica_stall_timeout_s`) are taken off the serving count: `degraded` while another serves, 503 `stalled` when
+none does, the message naming them and how long each has been silent. They count again once they answer.
 """
 
 from __future__ import annotations
@@ -23,33 +28,39 @@ from ray import serve
 
 from deployments.config import ENCODER_NAME
 from deployments.ray_compat import live_replica_count
+from deployments.routing.progress import progress_for
 
 CACHE_S = 0.5
 
 
-def encoder_ready(status, app_name: str, live: int | None = None, total: int | None = None) -> tuple[bool, dict]:
+def encoder_ready(
+    status, app_name: str, live: int | None = None, total: int | None = None, stalled: dict[str, float] | None = None
+) -> tuple[bool, dict]:
     """(ready, detail) from `serve.status()` and the number of live encoder replica actors (`live`; None:
     unknown, trust Serve). Ready iff at least one replica is both running and alive, whatever the
     deployment's status (updating, autoscaling, unhealthy: the running replicas serve). `total`: the
     replicas the application's arguments ask for; Serve's count of them when it has more (an autoscaled
-    deployment, or a config file's `num_replicas`, which the arguments do not see)."""
+    deployment, or a config file's `num_replicas`, which the arguments do not see). `stalled`: replicas judged
+    to make no progress (`routing.progress.ReplicaProgress.stalled_replicas`), not serving however alive."""
     app = status.applications.get(app_name)
     dep = app.deployments.get(ENCODER_NAME) if app is not None else None
     if dep is None:
         return False, {"status": "unavailable", "message": f"deployment {ENCODER_NAME} not found in {app_name!r}"}
     running = sum(n for state, n in dep.replica_states.items() if state == "RUNNING")
-    serving = running if live is None else min(running, live)
+    stalled = stalled or {}
+    serving = max(0, (running if live is None else min(running, live)) - len(stalled))
     total = max(total or 0, running, sum(dep.replica_states.values()))
     state = getattr(dep.status, "value", dep.status)
     if serving <= 0:
-        word = "starting" if state == "UPDATING" and running == 0 else "unavailable"
+        word = "stalled" if stalled else "starting" if state == "UPDATING" and running == 0 else "unavailable"
     else:
         word = "ok" if serving >= total else "degraded"
-    detail = {
-        "status": word,
-        "encoder_replicas": {"serving": serving, "total": total},
-        "message": f"{ENCODER_NAME}: {state}, {running} running, {serving} serving of {total}",
-    }
+    message = f"{ENCODER_NAME}: {state}, {running} running, {serving} serving of {total}"
+    if stalled:
+        silent = ", ".join(f"{rid} silent {s:g}s" for rid, s in sorted(stalled.items()))
+        message += f"; {len(stalled)} stalled, making no progress ({silent})"
+    replicas = {"serving": serving, "total": total} | ({"stalled": len(stalled)} if stalled else {})
+    detail = {"status": word, "encoder_replicas": replicas, "message": message}
     return serving > 0, detail
 
 
@@ -87,7 +98,9 @@ class Readiness:
             status, live = await asyncio.gather(
                 asyncio.to_thread(serve.status), asyncio.to_thread(live_replica_count, app_name, ENCODER_NAME)
             )
-            ready, detail = encoder_ready(status, app_name, live, self._total)
+            progress = progress_for(app_name, create=False)  # made by the encoder client, with its stall timeout
+            stalled = progress.stalled_replicas() if progress is not None else {}
+            ready, detail = encoder_ready(status, app_name, live, self._total, stalled)
             if ready and not (await asyncio.wait_for(self._describe(), timeout=5)).get("graphs_captured"):
                 ready, detail = False, detail | {"status": "starting"}
         except Exception as e:  # noqa: BLE001 - not ready is the honest answer when status is unknown

@@ -16,6 +16,7 @@ then encodes batches of resized uint8 images.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
@@ -241,13 +242,14 @@ class EncoderReplica:
 
     def stats(self) -> dict:
         """The engine's counters (captures, replays per budget, eager runs, patches), this replica's batches
-        (count, requests and images in them, busy seconds), queue state and the process's GIL switch interval."""
+        (count, requests and images in them, busy seconds), queue state, the process's id and GIL switch interval."""
         return (
             self.engine.stats()
             | dict(self.pipeline.batches)
             | self.record_routing_stats()
             | {
                 "replica_id": serve.get_replica_context().replica_id.unique_id,
+                "pid": os.getpid(),
                 "gil_switch_interval_s": sys.getswitchinterval(),
                 "pipeline_depth": self.pipeline.pipeline_depth,
                 "timings_ms": self.pipeline.timings.p50_ms(),

@@ -55,6 +55,13 @@ with two replicas and uniform 224x224 traffic, the owner of the small buckets ot
 the requests (88% of the images) while the other replica idled; a replica busy with other sizes is
 never idle, so it gets none of them and the size separation holds under mixed load.
 
+Hung replicas (issue 44): a replica whose process stopped (frozen, wedged) keeps its actor and its place in Ray's
+replica set, so it would keep getting requests that wait out their deadline. The router shares the process's
+`routing.progress.ReplicaProgress` with the ingress that calls through it: it reports which replica each call was
+handed to (`on_request_assigned`), probes replicas nothing came back from for a while (`get_queue_len`, every
+`stall_timeout_s / 4` at most, in the background), and leaves stalled replicas out of every ranking; with all of
+them stalled it offers none (the request waits in Ray's queue; the ingress gives it up at once).
+
 Ray mixins: `ray_compat.SelectionHook` (the selection counted at once, above), `LocalityMixin` for the
 fallback path only. `FIFOMixin` is deliberately not used:
 it hands a replica found for one request to the oldest pending request, whatever its bucket, which
@@ -87,6 +94,7 @@ from ray.serve.request_router import (
 
 from deployments.ray_compat import SelectionHook, check_ray, queue_len_cache_enabled
 from deployments.routing.assignment import assign_buckets, request_size
+from deployments.routing.progress import ReplicaProgress, progress_for
 from deployments.routing.stats import BucketRoutingStats, published
 from workspace.buckets import BucketError, BucketKey, BucketTable
 from workspace.tables import router_fallback_table
@@ -164,6 +172,9 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
         self._booked: defaultdict[ReplicaID, int] = defaultdict(int)
         # Owner-only routing rounds a pending request has had, by id of its routing context
         self._owner_rounds: dict[int, int] = {}
+        self._progress: ReplicaProgress | None = None
+        self._prober: asyncio.Task | None = None
+        self._probes: dict[str, asyncio.Task] = {}  # replica unique id -> its pending liveness probe
 
     # -- lifecycle hooks Ray calls ------------------------------------------------------------------
 
@@ -184,10 +195,22 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
     def config(self) -> BucketRouterConfig:
         return self._config
 
+    @property
+    def progress(self) -> ReplicaProgress:
+        """The process's record of which replicas make progress (`routing.progress`), shared with the ingress."""
+        if self._progress is None:
+            self._progress = progress_for(self.app_name)
+        return self._progress
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         self._plan = None  # replica set or their published stats changed
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
+        uids = {rid.unique_id for rid in live}
+        self.progress.set_replicas(uids)
+        for uid in [uid for uid in self._probes if uid not in uids]:
+            self._probes.pop(uid).cancel()
+        self._start_prober()
         for rid in [rid for rid in self._inflight_patches if rid not in live]:
             del self._inflight_patches[rid]
         for key in [key for key in self._inflight if key[0] not in live]:
@@ -210,6 +233,52 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
         if queue_len is not None:
             cache.update(replica.replica_id, queue_len + 1)
             self._booked[replica.replica_id] += 1
+
+    def on_request_assigned(self, replica: RunningReplica, internal_request_id: str) -> None:
+        """Which replica the ingress's call now waits on (`ray_compat.SelectionHook`; `routing.progress`)."""
+        self.progress.assigned(internal_request_id, replica.replica_id.unique_id)
+
+    # -- liveness probes (routing.progress) ---------------------------------------------------------------
+
+    def _start_prober(self) -> None:
+        """Start the probe loop on the router's event loop, once (Ray may call the hooks outside it first)."""
+        if self._prober is not None and not self._prober.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._prober = loop.create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        while True:
+            for replica in list(self.curr_replicas.values()):
+                uid = replica.replica_id.unique_id
+                if uid not in self._probes and self.progress.probe_due(uid):
+                    self._probes[uid] = asyncio.create_task(self._probe(replica, uid))
+            await asyncio.sleep(min(0.5, self.progress.stall_timeout_s / 6))
+
+    async def _probe(self, replica: RunningReplica, uid: str) -> None:
+        """One queue-length call; it waits as long as the replica does (an answer after SIGCONT ends a stall)."""
+        progress = self.progress
+        progress.probe_sent(uid)
+        try:
+            await replica.get_queue_len(deadline_s=progress.stall_timeout_s)
+        except asyncio.CancelledError:
+            progress.probe_failed(uid)
+            raise
+        except Exception:  # noqa: BLE001 - a dead or unreachable replica: no evidence either way
+            progress.probe_failed(uid)
+        else:
+            progress.probe_answered(uid)
+        finally:
+            if self._probes.get(uid) is asyncio.current_task():
+                del self._probes[uid]
+
+    def progressing(self, candidate_replicas: Sequence[RunningReplica]) -> list[RunningReplica]:
+        """The candidates not judged stalled (`routing.progress`)."""
+        progress = self.progress
+        return [r for r in candidate_replicas if not progress.stalled(r.replica_id.unique_id)]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         booked = self._booked.get(replica_id, 0)
@@ -323,7 +392,11 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        self._start_prober()
+        candidate_replicas = self.progressing(candidate_replicas)
         if not candidate_replicas:
+            if pending_request is not None:
+                pending_request.routing_context.should_backoff = True
             return []
         size = self._size(pending_request)
         if size is None:
