@@ -372,12 +372,14 @@ class LimitArgs(BaseModel):
         "body) is expected, or leave a response unread; then 408 and the connection is closed. A slow answer is not "
         "cut by it. Serve's default is 3600.",
     )
-    proxy_max_connections: int = Field(
-        65536,
+    proxy_max_connections: int | None = Field(
+        None,
         ge=16,
         le=2**20,
         description="Fast path: client connections HAProxy holds at once (maxconn); more wait in the kernel's accept "
-        "queue until one closes. Serve's default is 4096.",
+        "queue until one closes. Default: what the open-file limit where Ray starts allows HAProxy (about 2.5 "
+        "descriptors a connection), at most 65536 (Serve's default is 4096); HAProxy refuses to start when a "
+        "value does not fit that limit.",
     )
 
     @field_validator("image_formats", "url_allowlist", "url_schemes", mode="before")

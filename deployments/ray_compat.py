@@ -495,9 +495,24 @@ def sync_driver_handles() -> None:
     InitHandleOptions.create = classmethod(create_with_own_loop)
 
 
+def default_max_connections() -> int:
+    """The connection cap HAProxy can hold under this process's open-file hard limit (its children inherit it):
+    HAProxy wants about 2.5 descriptors per connection (maxconn 65536 asked for 163,876) and, unable to raise its
+    limit that far, refuses to start (measured with a hard limit of 20,000: "Cannot raise FD limit"). At most 65536."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return 65536
+    return max(16, min(65536, (hard - 1024) * 2 // 5))
+
+
 def proxy_bounds_env(args) -> dict[str, str]:
     """Serve's HAProxy variables for the fast path's front bounds of `args` (an `AppArgs`: see `PROXY_BOUNDS_ENV`)."""
-    return {env: str(getattr(args, field)) for field, env in PROXY_BOUNDS_ENV.items()}
+    values = {field: getattr(args, field) for field in PROXY_BOUNDS_ENV}
+    if values["proxy_max_connections"] is None:
+        values["proxy_max_connections"] = default_max_connections()
+    return {env: str(values[field]) for field, env in PROXY_BOUNDS_ENV.items()}
 
 
 def use_proxy_bounds(args, environ: dict | None = None) -> dict[str, str]:
