@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from deployments.ray_compat import (
         describe_request_path,
+        is_loopback,
+        loopback_only_node,
         no_driver_stack_dump,
         quiet_serve_noise,
         quiet_serve_shutdown_notice,
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_serve_shutdown_notice()  # and its "controller failed" line at every stop
     quiet_serve_noise()  # and serve.run's "new http_options will not be applied" after our serve.start applied them
     no_driver_stack_dump()  # a SIGTERM while Ray starts: no absl stack dump and abort (exit 134)
+    if address == "local" and is_loopback(ns.host):  # nothing of our own Ray listens beyond this machine either
+        loopback_only_node()
     try:
         ray.init(address=address, namespace="serve")
     except KeyboardInterrupt:

@@ -365,6 +365,33 @@ class LimitArgs(BaseModel):
     body_min_rate: int = Field(
         1 * 2**20, gt=0, description="Bytes per second a request body's time limit grows by (see body_timeout_s)."
     )
+    # The HTTP front on the fast request path (HAProxy, one per node): applied through Serve's HAProxy variables
+    # (`ray_compat.proxy_bounds_env`) to a Ray instance not started yet (the launcher, `serve run` of a local Ray, a
+    # pipeline); Serve's Python proxy (the default path) has no such settings in Ray 2.60 (docs/limits.md).
+    proxy_max_header_bytes: int = Field(
+        16384,
+        ge=4096,
+        le=2**20,
+        description="Fast path: HAProxy's buffer (tune.bufsize); a request line and headers longer than this less "
+        "1 KiB are answered 400 at once, before anything is forwarded (body bytes are not counted).",
+    )
+    proxy_idle_timeout_s: int = Field(
+        10,
+        ge=1,
+        le=3600,
+        description="Fast path: HAProxy's client timeout, seconds a client may stay silent while its request (head or "
+        "body) is expected, or leave a response unread; then 408 and the connection is closed. A slow answer is not "
+        "cut by it. Serve's default is 3600.",
+    )
+    proxy_max_connections: int | None = Field(
+        None,
+        ge=16,
+        le=2**20,
+        description="Fast path: client connections HAProxy holds at once (maxconn); more wait in the kernel's accept "
+        "queue until one closes. Default: what the open-file limit where Ray starts allows HAProxy (about 2.5 "
+        "descriptors a connection), at most 65536 (Serve's default is 4096); HAProxy refuses to start when a "
+        "value does not fit that limit.",
+    )
 
     @field_validator("image_formats", "url_allowlist", "url_schemes", mode="before")
     @classmethod

@@ -13,7 +13,13 @@ from ray.serve.schema import LoggingConfig
 from deployments.config import ENCODER_NAME, INGRESS_NAME, AppArgs, resolve_num_gpus
 from deployments.ingress.deployment import VisionIngress
 from deployments.preflight import AppConfigError, check_encoder_options, check_model, ray_address
-from deployments.ray_compat import check_ray, describe_request_path, quick_serve_polls, sync_driver_handles
+from deployments.ray_compat import (
+    check_ray,
+    describe_request_path,
+    quick_serve_polls,
+    sync_driver_handles,
+    use_proxy_bounds,
+)
 from deployments.replica.deployment import EncoderReplica
 from deployments.shutdown import in_serve_run, install_signal_drain
 from encoder.errors import RandomWeightsWarning, reason, validation_reason
@@ -101,7 +107,10 @@ def build_app(args: dict | AppArgs | None = None):
         install_signal_drain(a.request_timeout_s, a.drain_grace_s)
     # a Ray instance not started yet (`serve run`, the launcher, a pipeline) will inherit this environment, so it
     # names the request path; on a running cluster the ingress replicas' line says it
-    path = "" if ray.is_initialized() or ray_address(None) != "local" else f", {describe_request_path()}"
+    starts_ray = not ray.is_initialized() and ray_address(None) == "local"
+    path = f", {describe_request_path()}" if starts_ray else ""
+    if starts_ray:  # the HAProxy of the fast path, when Ray starts it, bounds headers, idle clients and connections
+        use_proxy_bounds(a)
     logger.info(
         "vision app: model=%s (%s%s), %d encoder replica(s) x %g GPU / %g CPU, %d ingress replica(s), router=%s%s",
         a.model, source.kind, ", RANDOM weights" if source.random_weights else "", a.num_replicas, gpus,

@@ -67,6 +67,13 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   instead: `serve.run(..., _blocking=False)` (also private) and our own poll of `serve.status()`, which would
   drop Serve's own checks of the proxies and of a failed deployment.
 
+* `loopback_only_node()`: `ray._private.ray_constants.ENABLE_RAY_CLUSTER`, whether Ray may use the machine's network
+  address. The launcher's own Ray with a loopback `--host` sets it off (and `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` for
+  the processes Ray starts), so the node's address is 127.0.0.1: Ray's metrics export port (Prometheus text with the
+  node's address and session name, no authentication) listened on 0.0.0.0, and its gRPC servers on ::, even with
+  `--host 127.0.0.1`. Tried instead: `ray.init(_node_ip_address="127.0.0.1")` (also private; Ray replaces a
+  loopback address by the machine's) and `_metrics_export_port` (a port only, no address).
+
 * `sync_driver_handles()`: a wrapper around `ray.serve._private.handle_options.InitHandleOptions.create` that
   gives a handle first used from plain Python (no running event loop: Serve initialises a handle at its first
   `.remote()` or `.options()`) outside a replica its own router loop (`_run_router_in_separate_loop=True`, a
@@ -80,8 +87,9 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   is first imported (usually before ours), and which every Ray process the driver starts would inherit (the
   ingress replicas' routers too).
 
-The fast request path's environment (`FAST_PATH_ENV`) lives here too: the names and values are Ray Serve's knobs,
-read by each Ray process when it starts (`ray.serve._private.constants`), so no runtime_env can switch them.
+The fast request path's environment (`FAST_PATH_ENV`, and the HAProxy bounds `PROXY_BOUNDS_ENV`) lives here too: the
+names and values are Ray Serve's knobs, read by each Ray process when it starts (`ray.serve._private.constants`), so
+no runtime_env can switch them.
 
 One more function here uses no private API but depends on Ray's wording, so it lives beside them:
 * `quiet_serve_noise()`: a filter on Serve's public `ray.serve` logger that drops INFO lines of Ray 2.60 that
@@ -157,6 +165,18 @@ FAST_PATH_ENV = {
 LAUNCHER_ENV = {"RAY_SERVE_LOG_TO_STDERR": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 # the two switches that make the fast path (the message cap only raises a limit); Serve takes "1" as on
 FAST_PATH_SWITCHES = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_HA_PROXY")
+# Serve's variables for the HAProxy it runs on the fast path, by the `AppArgs` field each carries (docs/limits.md):
+# Ray 2.60's defaults leave a never-sending connection open for an hour (timeout client 3600 s) and stop accepting at
+# 4096 connections, so 20,600 idle sockets blocked every new request. Read when the HAProxy manager actor starts.
+PROXY_BOUNDS_ENV = {
+    "proxy_max_header_bytes": "RAY_SERVE_HAPROXY_TUNE_BUFSIZE",
+    "proxy_idle_timeout_s": "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S",
+    "proxy_max_connections": "RAY_SERVE_HAPROXY_MAXCONN",
+}
+# Ray's switch for a one-node instance on the loopback interface (`ray_constants.ENABLE_RAY_CLUSTER`, off by default
+# on macOS and Windows): the node's address becomes 127.0.0.1, so the metrics export port, the agents and every gRPC
+# server listen there instead of on 0.0.0.0 / ::
+LOOPBACK_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 FAST_PATH_HINT = "for the fast one start Ray with {} (docs/service.md#fast-request-path)".format(
     " ".join(f"{k}={v}" for k, v in FAST_PATH_ENV.items())
 )
@@ -201,13 +221,15 @@ def _missing() -> list[str]:
     from ray.serve._private import constants as serve_constants
     from ray.serve._private import handle_options
 
-    flags = {**FAST_PATH_ENV, **LAUNCHER_ENV}
+    flags = {**FAST_PATH_ENV, **LAUNCHER_ENV, **{k: "" for k in PROXY_BOUNDS_ENV.values()}}
     missing += [f"ray.serve._private.constants.{k}" for k in flags if not hasattr(serve_constants, k)]
     options = handle_options.InitHandleOptions
     if not isinstance(options.__dict__.get("create"), classmethod) or "_run_router_in_separate_loop" not in {
         f.name for f in dataclasses.fields(options)
     }:
         missing.append("ray.serve._private.handle_options.InitHandleOptions.create(_run_router_in_separate_loop=...)")
+    if not isinstance(getattr(ray_constants, "ENABLE_RAY_CLUSTER", None), bool):
+        missing.append("ray._private.ray_constants.ENABLE_RAY_CLUSTER")
     from ray._private import worker as ray_worker
 
     # the errors the GCS pushes are printed through the module's name (so replacing it takes effect)
@@ -500,3 +522,53 @@ def sync_driver_handles() -> None:
 
     create_with_own_loop.sync_driver = True
     InitHandleOptions.create = classmethod(create_with_own_loop)
+
+
+def default_max_connections() -> int:
+    """The connection cap HAProxy can hold under this process's open-file hard limit (its children inherit it):
+    HAProxy wants about 2.5 descriptors per connection (maxconn 65536 asked for 163,876) and, unable to raise its
+    limit that far, refuses to start (measured with a hard limit of 20,000: "Cannot raise FD limit"). At most 65536."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return 65536
+    return max(16, min(65536, (hard - 1024) * 2 // 5))
+
+
+def proxy_bounds_env(args) -> dict[str, str]:
+    """Serve's HAProxy variables for the fast path's front bounds of `args` (an `AppArgs`: see `PROXY_BOUNDS_ENV`)."""
+    values = {field: getattr(args, field) for field in PROXY_BOUNDS_ENV}
+    if values["proxy_max_connections"] is None:
+        values["proxy_max_connections"] = default_max_connections()
+    return {env: str(values[field]) for field, env in PROXY_BOUNDS_ENV.items()}
+
+
+def use_proxy_bounds(args, environ: dict | None = None) -> dict[str, str]:
+    """Put `proxy_bounds_env(args)` into `environ` (default `os.environ`) where the user has not set a variable, for a
+    Ray instance not started yet, whose HAProxy manager reads them when it starts. Returns what it set."""
+    environ = os.environ if environ is None else environ
+    added = {k: v for k, v in proxy_bounds_env(args).items() if k not in environ}
+    environ.update(added)
+    return added
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an HTTP host given to the launcher is a loopback address (only this machine can connect)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_only_node() -> None:
+    """Make the Ray instance this process is about to start a one-node instance on 127.0.0.1 (`LOOPBACK_NODE_ENV`):
+    call before `ray.init`. `ray.init(_node_ip_address="127.0.0.1")` does not do it (Ray replaces a loopback address
+    by the machine's), and `ray_constants` was read when this process imported Ray, so the constant is set here and
+    the variable for the processes Ray starts. Their metrics port then listens on 127.0.0.1, not 0.0.0.0."""
+    os.environ.update(LOOPBACK_NODE_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER = False
