@@ -415,11 +415,9 @@ def launcher_ray_address(pid: int) -> str:
     after the process that started it (this machine may run other Ray instances, so not `address="auto"`)."""
     import glob
 
-    from ray.util import get_node_ip_address
-
     for session in sorted(glob.glob(f"/tmp/ray/session_*_{pid}")):
-        for port_file in glob.glob(f"{session}/gcs_server_port_*"):
-            return f"{get_node_ip_address()}:{Path(port_file).read_text().strip()}"
+        for port_file in glob.glob(f"{session}/gcs_server_port_*"):  # the launcher's Ray is on this machine
+            return f"127.0.0.1:{Path(port_file).read_text().strip()}"
     raise SystemExit(f"no Ray session of process {pid} under /tmp/ray")
 
 
@@ -471,6 +469,9 @@ def main() -> None:
     launcher = start_launcher(a, port) if a.launcher else None
     try:
         if launcher is not None:
+            from deployments.ray_compat import loopback_only_node
+
+            loopback_only_node()  # the launcher's Ray (on --host 127.0.0.1) is on loopback only: join it there
             ray.init(address=launcher_ray_address(launcher.pid), namespace="serve")
         else:
             ray.init(num_cpus=max(8, os.cpu_count() or 1) if not gpus else None, include_dashboard=False)
