@@ -458,11 +458,41 @@ def quick_serve_polls() -> None:
 def use_fast_path(environ: dict | None = None) -> dict[str, str]:
     """Put `FAST_PATH_ENV` and `LAUNCHER_ENV` into `environ` (default `os.environ`) where the user has not set a
     variable (a value the user exported wins), before `ray.init` starts Ray's processes, which inherit it, and
-    before this process imports Ray Serve (its driver then agrees with them). Returns what it set."""
+    before this process imports Ray Serve (its driver then agrees with them); and HAProxy's side ports where a
+    default one is taken (`haproxy_side_ports`). Returns what it set."""
     environ = os.environ if environ is None else environ
     added = {k: v for k, v in {**FAST_PATH_ENV, **LAUNCHER_ENV}.items() if k not in environ}
+    added |= {k: v for k, v in haproxy_side_ports().items() if k not in environ}
     environ.update(added)
     return added
+
+
+# Serve's HAProxy also listens on two fixed ports of every interface, its Prometheus endpoint and its stats page
+# (Ray 2.60: `RAY_SERVE_HAPROXY_METRICS_PORT`, `RAY_SERVE_HAPROXY_STATS_PORT`, read when the HAProxy manager starts)
+HAPROXY_SIDE_PORTS = {"RAY_SERVE_HAPROXY_METRICS_PORT": 9101, "RAY_SERVE_HAPROXY_STATS_PORT": 8404}
+
+
+def haproxy_side_ports() -> dict[str, str]:
+    """A free port for each of HAProxy's side listeners whose default port something already listens on: with the
+    defaults a second fast-path service on this machine (another launcher, a test run) could not start HAProxy
+    ("Address already in use") and failed its start-up. Free defaults are kept (what a Prometheus scrape expects)."""
+    import socket
+
+    def listened(port: int) -> bool:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME-WAIT leftovers do not count
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                return True
+        return False
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", 0))
+            return s.getsockname()[1]
+
+    return {name: str(free_port()) for name, port in HAPROXY_SIDE_PORTS.items() if listened(port)}
 
 
 def request_path(environ: dict | None = None) -> str:

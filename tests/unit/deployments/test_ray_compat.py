@@ -287,3 +287,31 @@ def test_the_haproxy_host_warning_is_rays_wording():
 
     source = inspect.getsource(controller).replace('"\n                    "', "")  # the message's literals joined
     assert ray_compat.HAPROXY_HOST_WARNING in source
+
+
+def test_haproxy_side_ports_move_only_off_a_port_something_listens_on(monkeypatch):
+    """A second fast-path service on one machine: HAProxy's Prometheus / stats ports (fixed by default) taken by
+    the first made the second's HAProxy exit "Address already in use". A listened default gets a free port;
+    a free default is kept (not in the answer). Broken: the taken default kept, or a free one moved."""
+    import os
+    import socket
+
+    from ray.serve._private import constants
+
+    for name, port in ray_compat.HAPROXY_SIDE_PORTS.items():  # the variables and defaults Serve reads
+        assert getattr(constants, name) == port or os.environ.get(name)
+    with socket.socket() as taken, socket.socket() as probe:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        probe.bind(("0.0.0.0", 0))
+        free = probe.getsockname()[1]
+        probe.close()  # free again, never listened on
+        monkeypatch.setattr(ray_compat, "HAPROXY_SIDE_PORTS", {"METRICS": taken.getsockname()[1], "STATS": free})
+        moved = ray_compat.haproxy_side_ports()
+        assert set(moved) == {"METRICS"} and int(moved["METRICS"]) != taken.getsockname()[1]
+        env = {}
+        ray_compat.use_fast_path(env)
+        assert "METRICS" in env and "STATS" not in env
+        env = {"METRICS": "9999"}
+        ray_compat.use_fast_path(env)
+        assert env["METRICS"] == "9999"  # a value the user exported wins
