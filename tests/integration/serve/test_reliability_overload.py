@@ -43,6 +43,8 @@ ARGS = {
     "retry_after_s": 2,
     "enable_fault_injection": True,
     "graceful_shutdown_timeout_s": 30,
+    # the "hold" fault stands for a slow encoder here, not a hung one: time limits answer, not the stall watch
+    "replica_stall_timeout_s": 60,
 }
 ATOL = 1e-4
 # A rejection is answered at once (measured 10-120 ms here, loaded); broken, it would wait for a queue slot or

@@ -69,6 +69,8 @@ class _Method:
 class _Encoder:
     """A DeploymentHandle stand-in: `options(_by_reference=True)` gives the by-reference handle."""
 
+    app_name = "fake"  # the key of the process's replica progress record (`routing.progress.progress_for`)
+
     def __init__(self, calls: list, by_reference: bool = False):
         self._calls, self._by_reference = calls, by_reference
 
