@@ -20,6 +20,8 @@
 #   ckpt     export the qwen2.5-vl-7b preset to /tmp/ckpt-7b (replicas then load it instead of drawing weights)
 #   acceptance  benchmarks/service.py as issue 4 measures it: HAProxy/throughput mode, 1 pipelined replica
 #            per GPU, then the router comparison (2 replicas x 0.5 GPU)
+#   launcher issue 45.1: README command 1 as a newcomer runs it (python -m deployments, nothing exported) with the 7B
+#            preset, fast path with the engine phase beside, then --request-path default (needs the Ray pack)
 #   service  benchmarks/service.py, HAProxy/throughput mode, 2 replicas per GPU, router comparison
 #   service1 the same with 1 replica per GPU, no router comparison
 #   servicedefault  2 replicas per GPU through Ray's default request path (Python proxy, actor calls)
@@ -66,6 +68,12 @@ for s in $steps; do
              > "$OUT/engine_qwen3.md" 2>&1
            timeout $(budget 200) python3 -m benchmarks.engine --backends triton --json "$OUT/engine_q25.json" > "$OUT/engine_q25.md" 2>&1 ;;
     quick) timeout $(budget 120) python3 -m benchmarks.engine --backends triton --no-hf > "$OUT/engine_quick.md" 2>&1 ;;
+    launcher) for p in fast default; do
+                skip=""; [ $p = default ] && skip="--skip engine"
+                timeout $(budget 240) env RAY_AUTH_MODE=token python3 -m benchmarks.service --model qwen2.5-vl-7b \
+                  --launcher $p --client-procs 4 --duration 6 $skip --launcher-log "$OUT/launcher_$p.log" \
+                  > "$OUT/launcher_$p.md" 2> "$OUT/launcher_$p.err"
+              done ;;
     profile) timeout $(budget 120) python3 -m benchmarks.profile_engine > "$OUT/profile.txt" 2>&1 ;;
     clip) timeout $(budget 150) python3 -m benchmarks.clip > "$OUT/clip.md" 2>&1 ;;
     batch) timeout $(budget 240) python3 -m benchmarks.batch --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \
