@@ -68,12 +68,12 @@ for s in $steps; do
              > "$OUT/engine_qwen3.md" 2>&1
            timeout $(budget 200) python3 -m benchmarks.engine --backends triton --json "$OUT/engine_q25.json" > "$OUT/engine_q25.md" 2>&1 ;;
     quick) timeout $(budget 120) python3 -m benchmarks.engine --backends triton --no-hf > "$OUT/engine_quick.md" 2>&1 ;;
-    launcher) for p in fast default; do
-                skip=""; [ $p = default ] && skip="--skip engine"
-                timeout $(budget 240) env RAY_AUTH_MODE=token python3 -m benchmarks.service --model qwen2.5-vl-7b \
-                  --launcher $p --client-procs 4 --duration 6 $skip --launcher-log "$OUT/launcher_$p.log" \
-                  > "$OUT/launcher_$p.md" 2> "$OUT/launcher_$p.err"
-              done ;;
+    launcher) timeout $(budget 240) env RAY_AUTH_MODE=token python3 -m benchmarks.service --model qwen2.5-vl-7b \
+                --launcher fast --client-procs 4 --duration 6 --launcher-log "$OUT/launcher_fast.log" \
+                > "$OUT/launcher_fast.md" 2> "$OUT/launcher_fast.err"
+              timeout $(budget 200) env RAY_AUTH_MODE=token python3 -m benchmarks.service --model qwen2.5-vl-7b \
+                --launcher default --client-procs 4 --duration 6 --skip engine --launcher-log "$OUT/launcher_default.log" \
+                > "$OUT/launcher_default.md" 2> "$OUT/launcher_default.err" ;;
     profile) timeout $(budget 120) python3 -m benchmarks.profile_engine > "$OUT/profile.txt" 2>&1 ;;
     clip) timeout $(budget 150) python3 -m benchmarks.clip > "$OUT/clip.md" 2>&1 ;;
     batch) timeout $(budget 240) python3 -m benchmarks.batch --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \
