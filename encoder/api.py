@@ -25,6 +25,7 @@ from encoder.errors import ConfigError, InvalidArgumentError, RandomWeightsWarni
 from encoder.image_paths import preprocess_paths
 from encoder.loading.checkpoint import load_weights, read_image_processor
 from encoder.loading.hub import ResolvedModel, resolve_model
+from encoder.models.fp8 import quantize_blocks
 from encoder.models.geometry import frames_of
 from encoder.models.qwen2 import QwenVisionTower
 from encoder.models.qwen3 import Qwen3VisionTower
@@ -113,12 +114,15 @@ class VisionEncoder:
         preprocess_config: PreprocessConfig | VitPreprocessConfig,
         name: str = "custom",
         source: ResolvedModel | None = None,
+        quantization: str | None = None,
     ):
         self.config = config
         self.model = model
         self.preprocess_config = preprocess_config
         self.name = name
         self.source = source  # where config and weights came from (None: built by hand)
+        # None (every GEMM in the model dtype) or "fp8": the blocks' linear layers in float8 (`load`)
+        self.quantization = quantization
 
     @property
     def random_weights(self) -> bool:
@@ -297,6 +301,48 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+QUANTIZATIONS = ("fp8",)
+# float8 tensor-core GEMMs (torch._scaled_mm with row-wise scales): Ada (8.9), Hopper (9.0) and newer
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_quantization(quantization, device: torch.device, dtype: torch.dtype) -> str | None:
+    """`quantization` checked against the device and dtype `load` resolved: None, or "fp8" on a CUDA GPU of
+    compute capability 8.9 or newer with bfloat16 (the row-wise FP8 GEMM writes bfloat16). ConfigError else."""
+    if quantization is None:
+        return None
+    if not isinstance(quantization, str) or quantization not in QUANTIZATIONS:
+        raise ConfigError(f"unknown quantization {named(quantization)}; expected None or {', '.join(QUANTIZATIONS)}")
+    if device.type != "cuda":
+        raise ConfigError(
+            f"quantization {quantization!r} needs a CUDA GPU of compute capability 8.9 or newer (Hopper/Ada); "
+            f"this device is {device}"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise ConfigError(
+            f"quantization {quantization!r} needs a CUDA GPU of compute capability 8.9 or newer (Hopper/Ada); "
+            f"{device} ({torch.cuda.get_device_name(device)}) is {capability[0]}.{capability[1]}"
+        )
+    if dtype != torch.bfloat16:
+        raise ConfigError(
+            f"quantization {quantization!r} runs with dtype bfloat16 only (the default on CUDA), not {dtype}"
+        )
+    return quantization
+
+
+def quantize_tower(tower: torch.nn.Module, quantization: str | None) -> list[str]:
+    """The load-time conversion: for "fp8", the exact layout changes first (`tower.fuse()`: padded widths are
+    multiples of 16 as the FP8 GEMM needs, and `GraphEncoder`'s own `fuse()` then changes nothing), then every
+    linear layer of the transformer blocks as an `encoder.models.fp8.Fp8Linear`. Returns the converted
+    layers' names. The patch embedding, the mergers, the heads and attention itself stay in the model dtype.
+    Runs on any device (the CPU tests call it); `load` checks the device first (`check_quantization`)."""
+    if quantization is None:
+        return []
+    tower.fuse()
+    return quantize_blocks(tower.transformer_blocks())
+
+
 def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
     """The preprocessing of a model: the image processor's settings in `directory` (found as transformers
     finds them: `checkpoint.read_image_processor`) when it has them, else the family's defaults for this
@@ -368,12 +414,17 @@ def load(
     dtype=None,
     attention: str | Mapping[str, str] | None = None,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> VisionEncoder:
     """A `VisionEncoder` from a preset name (random weights; warns), a local checkpoint directory or a
     Hugging Face Hub id `org/name[@revision]` (`encoder.loading.hub.resolve_model`, which runs first: a bad
-    model fails before anything is built)."""
+    model fails before anything is built). `quantization="fp8"`: the blocks' linear layers in float8 e4m3
+    (`quantize_tower`; CUDA, compute capability 8.9 or newer, bfloat16)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an int, got {type(seed).__name__}")
+    if quantization is not None:  # before the model is resolved: a Hub id's weights are not downloaded in vain
+        resolved = _resolve_device(device)
+        check_quantization(quantization, resolved, _resolve_dtype(dtype, resolved))
     source = model if isinstance(model, ResolvedModel) else resolve_model(model)
     if not source.weights_on_disk:  # checked earlier without its weights (a service's driver): fetch them now
         source = resolve_model(source.given)
@@ -395,6 +446,7 @@ def load(
     else:
         init_random_weights(tower, seed)
     tower = tower.to(device=device, dtype=dtype).eval()
+    quantize_tower(tower, quantization)  # after the weights and the cast: scales from the final bf16 weights
     if source.random_weights:
         RandomWeightsWarning.warn(source.name, stacklevel=2)  # at the line that called load
-    return VisionEncoder(config, tower, pp, name=source.name, source=source)
+    return VisionEncoder(config, tower, pp, name=source.name, source=source, quantization=quantization)

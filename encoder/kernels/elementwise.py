@@ -288,13 +288,15 @@ def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int, div
 
 
 # -- GEMMs with their neighbours folded in (cuBLAS) -----------------------------------------------
-def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
     """gelu_tanh(x @ W.T + b): on CUDA one cuBLASLt GEMM whose epilogue adds the bias and applies the
     tanh-approximated GELU (`torch._addmm_activation`), instead of a GEMM plus a pass over the
     [S, F] hidden activations (3.5 ms of a 94 ms Qwen3-VL-8B forward at 8 x 896², docs/journal/benchmarks.md).
     The CPU kernel of that op applies the exact-erf GELU instead, so everywhere else: the reference."""
     # x: [S, D] -> [S, F]
-    if x.is_cuda and x.dim() == 2 and linear.bias is not None and os.environ.get("ENCODER_FUSED", "1") != "0":
+    # an FP8 layer (`encoder.models.fp8.Fp8Linear`, not an nn.Linear) has no such epilogue: its GEMM, then the GELU
+    fusable = isinstance(linear, torch.nn.Linear) and linear.bias is not None
+    if x.is_cuda and x.dim() == 2 and fusable and os.environ.get("ENCODER_FUSED", "1") != "0":
         return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
     return F.gelu(linear(x), approximate="tanh")
 

@@ -48,7 +48,10 @@ def concat_linears(*linears: nn.Linear) -> nn.Linear:
 
 def pad_hidden(fc1: nn.Linear, fc2: nn.Linear, multiple: int) -> tuple[nn.Linear, nn.Linear] | None:
     """An MLP's (in, out) linears with the hidden width between them zero-padded to a multiple; None when
-    it is one already (the caller keeps its module)."""
+    it is one already (the caller keeps its module), or when they are FP8 layers (`fp8.py`: quantised after
+    `fuse()` at load, their widths final)."""
+    if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)):
+        return None
     width = round_up(fc1.out_features, multiple)
     if width == fc1.out_features:
         return None

@@ -137,6 +137,10 @@ class QwenVisionTower(nn.Module):
         for blk in self.blocks:
             blk.attn.backend = self.backends["full" if blk.full_attention else "window"]
 
+    def transformer_blocks(self) -> nn.ModuleList:
+        """The blocks whose linear layers `quantization="fp8"` converts (`encoder.models.fp8`)."""
+        return self.blocks
+
     def fuse(self, pad_mlp: int = 128) -> None:
         """Inference-only layout changes, all exact, as new modules: MLP width zero-padded to a
         multiple of `pad_mlp`, SwiGLU's gate and up in one GEMM. Idempotent."""

@@ -178,6 +178,10 @@ class Qwen3VisionTower(nn.Module):
         for blk in self.blocks:
             blk.attn.backend = self.backend
 
+    def transformer_blocks(self) -> nn.ModuleList:
+        """The blocks whose linear layers `quantization="fp8"` converts (`encoder.models.fp8`)."""
+        return self.blocks
+
     @torch.no_grad()
     def fuse(self, pad_mlp: int = 128) -> None:
         """Inference-only exact layout change: every block's MLP rebuilt with its hidden width

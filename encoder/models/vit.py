@@ -263,6 +263,10 @@ class VitTower(nn.Module):
         for layer in self.encoder.layers:
             layer.self_attn.backend = self.backend
 
+    def transformer_blocks(self) -> nn.ModuleList:
+        """The encoder layers whose linear layers `quantization="fp8"` converts (`encoder.models.fp8`)."""
+        return self.encoder.layers
+
     def fuse(self, pad_mlp: int = 128) -> None:
         """Inference-only layout changes, all exact, as new modules: the blocks' MLP width zero-padded
         to a multiple of `pad_mlp` (SigLIP's 4304 -> 4352), q/k/v in one GEMM. Idempotent."""
