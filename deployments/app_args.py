@@ -65,6 +65,26 @@ class ModelArgs(BaseModel):
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="Replica device; auto = cuda when the replica has a GPU share, else cpu."
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="None (default: every GEMM in dtype) or 'fp8': the transformer blocks' linear layers in float8 "
+        "e4m3 (per-channel weight scales made at load, per-token activation scales on the device); attention, "
+        "norms, patch embedding and mergers stay bfloat16. CUDA GPUs of compute capability 8.9 or newer "
+        "(Hopper/Ada), dtype bfloat16; each replica refuses elsewhere (encoder.load).",
+    )
+
+    @model_validator(mode="after")
+    def _check_quantization(self) -> ModelArgs:
+        # what the arguments alone rule out, said before any replica starts; the GPU's generation is checked
+        # where the GPU is (encoder.load in each replica)
+        if self.quantization is not None:
+            if self.device == "cpu":
+                raise ValueError(f"quantization {self.quantization!r} needs a CUDA GPU; device is 'cpu'")
+            if self.dtype not in (None, "bfloat16", "bf16"):
+                raise ValueError(
+                    f"quantization {self.quantization!r} runs with dtype bfloat16 only, not {self.dtype!r}"
+                )
+        return self
 
     @property
     def model_name(self) -> str:

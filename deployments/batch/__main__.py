@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     )
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--attention", default=None, help="attention backend (default: the encoder's)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: the transformer blocks' linear layers in float8 e4m3, attention and the rest bf16 (GPUs of "
+        "compute capability 8.9 or newer; default: none)",
+    )
     p.add_argument("--buckets", default=None, help="bucket budgets, e.g. 'pow2:256-32768' (default: the service's)")
     p.add_argument(
         "--batch-size",

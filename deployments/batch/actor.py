@@ -117,6 +117,7 @@ class EncoderActor:
         buckets: Any = None,
         dtype: str | None = None,
         attention: str | None = None,
+        quantization: str | None = None,
         preprocess_config: ProcessorConfig | None = None,
         expected_table: BucketTable | None = None,
     ):
@@ -125,7 +126,7 @@ class EncoderActor:
         # the driver warned once that a preset's weights are random (`embed_dataset`), and the ready line below marks
         # them; every actor repeating it in warnings' file:line form is noise. The actor's process is its own
         warnings.filterwarnings("ignore", category=encoder.RandomWeightsWarning)
-        self.vision = encoder.load(model, dtype=dtype, attention=attention)
+        self.vision = encoder.load(model, dtype=dtype, attention=attention, quantization=quantization)
         if preprocess_config is not None and preprocess_config != self.vision.preprocess_config:
             raise InvalidArgumentError("the decode stage's preprocessing differs from the model's (driver/actor drift)")
         self.pp = self.vision.preprocess_config
@@ -144,8 +145,9 @@ class EncoderActor:
         self.deepstack_layers = deepstack_layers(self.vision.config) if self.pooling == "none" else 0
         stats = self.engine.stats()
         weights = " (RANDOM weights)" if self.vision.random_weights else ""
+        fp8 = f", {self.vision.quantization} block linears" if self.vision.quantization else ""
         print(
-            f"[deployments.batch] encoder {self.vision.name}{weights} on {self.device} ({self.vision.dtype}): "
+            f"[deployments.batch] encoder {self.vision.name}{weights} on {self.device} ({self.vision.dtype}{fp8}): "
             f"{len(self.engine.table)} buckets up to {self.engine.table.largest.budget} patches, "
             f"{stats['captures']} graphs captured in {stats['capture_seconds']:.1f} s, "
             f"ready in {time.perf_counter() - start:.1f} s",

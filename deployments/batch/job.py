@@ -126,6 +126,8 @@ def job_params(cfg: JobConfig, files: list[InputFile], part_rows: int) -> dict:
         "pooling": cfg.pooling,
         "dtype": cfg.dtype,
         "attention": cfg.attention,
+        # only when set: the manifests of jobs run before the option existed keep matching their re-runs
+        **({"quantization": cfg.quantization} if cfg.quantization else {}),
         "part_rows": part_rows,
         "max_image_bytes": cfg.max_image_bytes,  # which rows are error rows
     }

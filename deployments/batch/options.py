@@ -5,9 +5,9 @@ the parts runner and to `embed_dataset`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from encoder.errors import InvalidArgumentError
 
@@ -35,6 +35,11 @@ class EmbedOptions(BaseModel):
     buckets: Any = Field(None, description="A bucket spec, table or [(budget, max_images)]; None: the device's.")
     dtype: str | None = None
     attention: str | None = None
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="'fp8': the blocks' linear layers in float8 e4m3 (encoder.load); GPUs of compute capability "
+        "8.9 or newer, bfloat16.",
+    )
     decode_batch_size: int = Field(32, ge=1, description="Rows per CPU decode task.")
     decode_concurrency: int | None = Field(None, ge=1, description="Decode tasks at once; None: Ray Data's.")
     decode_cpus: float = Field(1.0, ge=0)
@@ -42,6 +47,18 @@ class EmbedOptions(BaseModel):
     max_image_bytes: int = Field(
         20 * 2**20, ge=1, description="Encoded bytes of one image (a longer file or value is an error row)."
     )
+
+    @model_validator(mode="after")
+    def _check_quantization(self) -> EmbedOptions:
+        # what the options alone rule out, before Ray starts; each actor's encoder.load checks its GPU
+        if self.quantization is not None:
+            if self.num_gpus == 0:
+                raise ValueError(f"quantization {self.quantization!r} needs GPU encoder actors; num_gpus is 0")
+            if self.dtype not in (None, "bfloat16", "bf16"):
+                raise ValueError(
+                    f"quantization {self.quantization!r} runs with dtype bfloat16 only, not {self.dtype!r}"
+                )
+        return self
 
     @classmethod
     def of(cls, **kwargs) -> EmbedOptions:

@@ -86,6 +86,8 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
         elif image_column not in schema.names:  # pandas blocks: their types are checked as they are decoded
             raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
     gpus = gpus_in_cluster() if o.num_gpus is None else o.num_gpus
+    if o.quantization and gpus == 0:  # the CPU actors' encoder.load would refuse it, one by one, inside Ray Data
+        raise InvalidArgumentError(f"quantization {o.quantization!r} needs GPU encoder actors; the cluster has no GPU")
     plan = plan_for_actors(model, gpus, o.buckets, o.dtype, o.attention)
     root = str(Path.cwd()) if o.path_root is None else str(o.path_root)
     batch_size, typical_patches = o.batch_size, o.typical_patches
@@ -126,6 +128,7 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
                 "buckets": o.buckets,
                 "dtype": o.dtype,
                 "attention": o.attention,
+                "quantization": o.quantization,
                 "preprocess_config": pp,
                 "expected_table": plan.table,
             },

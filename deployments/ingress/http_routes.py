@@ -188,6 +188,8 @@ class HttpRoutes:
             "owned_by": "vision",
             # extension: a preset's seeded random weights embed nothing meaningful; say so
             "random_weights": self.args.random_weights,
+            # extension: None, or "fp8" when the towers' block linears run in float8 (AppArgs.quantization)
+            "quantization": self.args.quantization,
         }
 
     def models(self, request: Request) -> Response:

@@ -42,15 +42,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")
 
 
+def precision(vision) -> str:
+    """The tower's number format as the ready line and `describe()` say it: the dtype, and with
+    `quantization="fp8"` what runs in FP8 ("bfloat16 with fp8 block linears")."""
+    dtype = str(vision.dtype).removeprefix("torch.")
+    return f"{dtype} with {vision.quantization} block linears" if vision.quantization else dtype
+
+
 def startup_summary(vision, plan, stats: dict, seconds: float, pipeline: DevicePipeline) -> str:
-    """The replica's one start-up line: model and where its weights came from, device, dtype, attention per
-    layer kind, buckets, capture time and memory, batch limits."""
+    """The replica's one start-up line: model and where its weights came from, device, dtype (and FP8 when
+    asked for), attention per layer kind, buckets, capture time and memory, batch limits."""
     info = vision.model_info()
     weights = "RANDOM weights (preset)" if info["random_weights"] else f"weights from {info['kind']} {info.get('path')}"
     attention = ", ".join(f"{kind}={backend}" for kind, backend in stats["attention"].items())
     buckets = ",".join(str(k.budget) for k in plan.table.keys)
     return (
-        f"encoder ready: {vision.name}, {weights}, {vision.device} {str(vision.dtype).removeprefix('torch.')}, "
+        f"encoder ready: {vision.name}, {weights}, {vision.device} {precision(vision)}, "
         f"attention {attention}; buckets {buckets} ({stats['captures']} graphs captured in "
         f"{stats['capture_seconds']:.1f}s, {stats['capture_bytes'] / 2**20:.0f} MiB); batches up to "
         f"{plan.max_batch_patches} patches / {plan.max_batch_images} images ({pipeline.pipeline_depth} in flight); "
@@ -79,7 +86,10 @@ class EncoderReplica:
         # them; the warning again from every replica, in warnings' file:line form, is noise. This process is
         # the replica's own, so the filter stays (no catch_warnings: it is not thread-safe)
         warnings.filterwarnings("ignore", category=encoder.RandomWeightsWarning)
-        vision = encoder.load(a.model, device=self.device_name, dtype=a.dtype, attention=a.attention, seed=a.seed)
+        vision = encoder.load(
+            a.model, device=self.device_name, dtype=a.dtype, attention=a.attention, seed=a.seed,
+            quantization=a.quantization,
+        )  # fmt: skip
         self.pp = vision.preprocess_config
         plan = replica_plan(a, vision, self.device_name)
         self.engine = GraphEncoder(vision, plan.table)
@@ -230,6 +240,7 @@ class EncoderReplica:
             "deepstack_layers": self.deepstack_layers,
             "device": str(self.device),
             "dtype": str(vision.dtype).removeprefix("torch."),
+            "quantization": vision.quantization,  # None or "fp8" (the blocks' linear layers)
             "preprocess": self.pp.model_dump(mode="json"),
             "buckets": [[k.budget, k.max_images] for k in self.engine.table.keys],
             "max_batch_patches": self.pipeline.max_batch_patches,
