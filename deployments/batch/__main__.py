@@ -21,9 +21,11 @@ import argparse
 import errno
 import sys
 
+from pydantic import ValidationError
+
 from deployments.batch.job import run_job
 from deployments.batch.manifest import OutputWriteError
-from deployments.batch.options import JobConfig
+from deployments.batch.options import JobConfig, invalid
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
 from encoder.preprocessing.images import harden_pillow
@@ -102,7 +104,10 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     a = vars(p.parse_args(argv))
     progress = not a.pop("no_progress")
     a["id_column"] = a["id_column"] or None
-    return JobConfig(**a, progress=progress)
+    try:
+        return JobConfig(**a, progress=progress)
+    except ValidationError as e:  # what argparse cannot see alone (`--quantization fp8 --num-gpus 0`): usage, exit 2
+        p.error(str(invalid(e, "arguments")))
 
 
 # what a write into the output directory outside `manifest.writing` can still meet: the same one line, exit 3

@@ -82,3 +82,10 @@ def test_a_job_manifest_names_quantization_only_when_set():
     fp8 = parse_args(["--input", "in.parquet", "--output", "out", "--quantization", "fp8"])
     assert "quantization" not in job_params(base, [], 100)
     assert job_params(fp8, [], 100)["quantization"] == "fp8"
+
+
+def test_batch_cli_refuses_fp8_on_cpu_actors_with_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--input", "in.parquet", "--output", "out", "--quantization", "fp8", "--num-gpus", "0"])
+    assert exit_.value.code == 2
+    assert "quantization 'fp8' needs GPU encoder actors; num_gpus is 0" in capsys.readouterr().err
