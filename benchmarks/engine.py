@@ -120,12 +120,15 @@ def main() -> int:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", default=None, help="also write results here")
     parser.add_argument("--markdown", default=None, help="also write the table here")
+    parser.add_argument("--quantization", default=None, choices=["fp8"], help="our tower's block linears in fp8")
     parser.add_argument("--sustain-s", type=float, default=2.0, help="seconds each sustained-peak GEMM loops (>= 2)")
     parser.add_argument(
         "--pad-compare", action="store_true",
         help="first time graph replay with the MLP width unpadded (pad_mlp=0), with the first backend",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.quantization and not args.no_hf:
+        parser.error("--quantization: HF's tower copies our bf16 weights; pass --no-hf (and run bf16 beside)")
     if not require_cuda("benchmarks.engine"):
         return 2
     import encoder
@@ -133,7 +136,7 @@ def main() -> int:
     from encoder.attention import available_backends
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
+    base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16, quantization=args.quantization)
     cfg = base.config
     usable = [n for n, why in available_backends().items() if why is None]
     names = args.backends.split(",") if args.backends else [*usable, "auto"]
@@ -145,6 +148,7 @@ def main() -> int:
     def record(impl, wl, ms, extra=None):
         images, _ = WORKLOADS[wl]
         w = work[wl]
+        impl += f", {args.quantization}" if args.quantization and impl.startswith("ours") else ""
         tflops = w["total"] / ms / 1e9
         rows.append(dict(impl=impl, workload=wl, ms=ms, img_s=images / ms * 1e3, patch_s=w["patches"] / ms * 1e3,
                          mfu=w["linear"] / ms / 1e9 / peak, tflops=tflops, util_burst=tflops / peak,
