@@ -686,6 +686,8 @@ def bounded_http_protocol(max_header_bytes: int, idle_timeout_s: float, max_conn
 
         def head_timed_out(self) -> None:
             self.head_done()
+            if self.transport.is_closing():
+                return
             if self.head_bytes:
                 refuse(self.transport, b"408 Request Timeout")
             else:
