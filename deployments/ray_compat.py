@@ -173,6 +173,16 @@ PROXY_BOUNDS_ENV = {
     "proxy_idle_timeout_s": "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S",
     "proxy_max_connections": "RAY_SERVE_HAPROXY_MAXCONN",
 }
+# Serve's hook for code of ours in its Python HTTP proxy (the default request path, and throughput mode without
+# HAProxy): the import path of a function that ProxyActor.__init__ calls (Ray 2.60: `http_util.
+# configure_http_middlewares`) before the proxy configures and starts its uvicorn server. Ray builds that server with
+# `timeout_keep_alive` as its only limit (`http_util.start_asgi_http_server`), and HTTPOptions has no field for the
+# others, so a 256 MiB header took the proxy 58.5 s to parse and connections that never send a byte stayed open until
+# it ran out of them; `bound_python_proxy` gives that server the bounds HAProxy has on the fast path. Set only where
+# HAProxy is off (the direct-ingress replicas of the fast path call the hook too, behind HAProxy's own bounds).
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_CALLBACK = "deployments.ray_compat:bound_python_proxy"
+PROXY_FD_RESERVE = 256  # descriptors the proxy keeps beside client connections (Ray's gRPC channels, its logs)
 # Ray's switch for a one-node instance on the loopback interface (`ray_constants.ENABLE_RAY_CLUSTER`, off by default
 # on macOS and Windows): the node's address becomes 127.0.0.1, so the metrics export port, the agents and every gRPC
 # server listen there instead of on 0.0.0.0 / ::
@@ -221,7 +231,7 @@ def _missing() -> list[str]:
     from ray.serve._private import constants as serve_constants
     from ray.serve._private import handle_options
 
-    flags = {**FAST_PATH_ENV, **LAUNCHER_ENV, **{k: "" for k in PROXY_BOUNDS_ENV.values()}}
+    flags = {**FAST_PATH_ENV, **LAUNCHER_ENV, **{k: "" for k in PROXY_BOUNDS_ENV.values()}, PROXY_CALLBACK_ENV: ""}
     missing += [f"ray.serve._private.constants.{k}" for k in flags if not hasattr(serve_constants, k)]
     options = handle_options.InitHandleOptions
     if not isinstance(options.__dict__.get("create"), classmethod) or "_run_router_in_separate_loop" not in {
@@ -246,6 +256,19 @@ def _missing() -> list[str]:
         "CLIENT_POLLING_INTERVAL_S" in inspect.unwrap(w).__code__.co_names for w in waits
     ):
         missing.append("ray.serve._private.client.CLIENT_POLLING_INTERVAL_S")
+    # the proxy hook (`bound_python_proxy`): read by configure_http_middlewares, and a server built from the
+    # module's `uvicorn.Config` with uvicorn's httptools protocol and its callbacks
+    from ray.serve._private import http_util
+    from uvicorn.protocols.http import httptools_impl
+
+    uses = (http_util.configure_http_middlewares, PROXY_CALLBACK_ENV), (http_util.start_asgi_http_server, "uvicorn")
+    if not all(name in inspect.unwrap(f).__code__.co_names for f, name in uses):
+        missing.append("ray.serve._private.http_util.start_asgi_http_server(uvicorn.Config)")
+    protocol = getattr(httptools_impl, "HttpToolsProtocol", None)
+    if protocol is None or not all(
+        callable(getattr(protocol, m, None)) for m in ("on_headers_complete", "on_response_complete", "data_received")
+    ):
+        missing.append("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol")
     return missing
 
 
@@ -578,9 +601,160 @@ def use_proxy_bounds(args, environ: dict | None = None) -> dict[str, str]:
     """Put `proxy_bounds_env(args)` into `environ` (default `os.environ`) where the user has not set a variable, for a
     Ray instance not started yet, whose HAProxy manager reads them when it starts. Returns what it set."""
     environ = os.environ if environ is None else environ
-    added = {k: v for k, v in proxy_bounds_env(args).items() if k not in environ}
+    wanted = proxy_bounds_env(args)
+    if environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":  # Serve's Python proxy faces the clients: bound it too
+        wanted[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
+    added = {k: v for k, v in wanted.items() if k not in environ}
     environ.update(added)
     return added
+
+
+def python_proxy_limits(environ: dict | None = None) -> tuple[int, float, int]:
+    """(header bytes, idle seconds, connections) for Serve's Python proxy, from the HAProxy variables of
+    `PROXY_BOUNDS_ENV` in `environ` (default `os.environ`: the proxy's, which Ray started with the launcher's), so
+    that one set of `AppArgs` bounds both request paths; AppArgs' defaults where a variable is missing."""
+    environ = os.environ if environ is None else environ
+    header = int(environ.get(PROXY_BOUNDS_ENV["proxy_max_header_bytes"], 16384))
+    idle = float(environ.get(PROXY_BOUNDS_ENV["proxy_idle_timeout_s"], 10))
+    connections = environ.get(PROXY_BOUNDS_ENV["proxy_max_connections"])
+    return header, idle, int(connections) if connections else default_max_connections()
+
+
+def _open_file_budget(wanted: int) -> int:
+    """The connection cap this process can hold: its open-file soft limit raised to the hard one (a proxy that runs
+    out of descriptors stops accepting, and every new request waits), less `PROXY_FD_RESERVE`; at most `wanted`."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # kept as it is: the cap below follows it
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(16, min(wanted, soft - PROXY_FD_RESERVE))
+
+
+def bounded_http_protocol(max_header_bytes: int, idle_timeout_s: float, max_connections: int):
+    """uvicorn's httptools protocol (what Serve's proxy uses) with the fast path's front bounds, as a class to pass
+    as `uvicorn.Config(http=...)`:
+
+    * a request line and headers over `max_header_bytes` are answered 431 and the connection closed as soon as
+      that many bytes have come without the head ending (httptools has no cap: it took in all 256 MiB);
+    * a connection that has not sent a whole request head `idle_timeout_s` after it opened or after its last
+      response is closed (408 if part of a head came); uvicorn only times out keep-alive connections that send
+      nothing, so one that never sends a byte, or one a minute, was kept for ever;
+    * past `max_connections` a new connection closes the one that has waited longest for a request head, or is
+      answered 503 when none waits: a flood of idle connections cannot shut new requests out, it only shortens
+      the time an idle one is kept (uvicorn's `limit_concurrency` answers 503 to every new request instead).
+    """
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    waiting: dict = {}  # the connections waiting for a request head, longest first (insertion order)
+
+    def refuse(transport, status: bytes) -> None:
+        transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        transport.close()
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        head_timer = None  # set while a request head is awaited
+        head_bytes = 0
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                if not waiting:  # every connection is in a request: this one waits nowhere
+                    refuse(transport, b"503 Service Unavailable")
+                    return
+                oldest = next(iter(waiting))
+                oldest.head_done()
+                oldest.transport.close()
+            self.await_head()
+
+        def await_head(self) -> None:
+            self.head_bytes = 0
+            waiting[self] = None
+            self.head_timer = self.loop.call_later(idle_timeout_s, self.head_timed_out)
+
+        def head_done(self) -> None:
+            waiting.pop(self, None)
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def head_timed_out(self) -> None:
+            self.head_done()
+            if self.transport.is_closing():
+                return
+            if self.head_bytes:
+                refuse(self.transport, b"408 Request Timeout")
+            else:
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self.head_timer is None:
+                super().data_received(data)
+                return
+            self.head_bytes += len(data)
+            super().data_received(data)  # the head may end in `data`: on_headers_complete stops the count
+            if self.head_timer is not None and self.head_bytes > max_header_bytes:
+                self.head_done()
+                if not self.transport.is_closing():
+                    refuse(self.transport, b"431 Request Header Fields Too Large")
+
+        def on_headers_complete(self) -> None:
+            self.head_done()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # uvicorn arms its keep-alive timer when the connection is idle, waiting for the next request
+            if self.timeout_keep_alive_task is not None and not self.transport.is_closing():
+                self.await_head()
+
+        def connection_lost(self, exc) -> None:
+            self.head_done()
+            super().connection_lost(exc)
+
+    return BoundedHttpToolsProtocol
+
+
+class _UvicornWithBounds:
+    """Stands for the `uvicorn` module in Serve's `http_util`: its `Config` gets our protocol class."""
+
+    def __init__(self, uvicorn, protocol) -> None:
+        self._uvicorn, self._protocol = uvicorn, protocol
+
+    def __getattr__(self, name: str):
+        return getattr(self._uvicorn, name)
+
+    def Config(self, *args, **kwargs):  # noqa: N802 (uvicorn's name)
+        return self._uvicorn.Config(*args, **{**kwargs, "http": self._protocol})
+
+
+def bound_python_proxy() -> list:
+    """Serve's HTTP proxy callback (`PROXY_CALLBACK`, run by `ProxyActor.__init__` before its server starts): bound
+    the proxy's uvicorn server with `python_proxy_limits` (`bounded_http_protocol`). Returns no middleware. A
+    direct-ingress replica (throughput mode) calls it too and is left as it is. Raises where Serve's code is not
+    the one this relies on (`check_ray` checks it), so the proxy does not start unbounded."""
+    import uvicorn
+    from ray.serve._private import http_util
+    from ray.serve._private.constants import SERVE_PROXY_NAME
+
+    if not (ray.get_runtime_context().get_actor_name() or "").startswith(SERVE_PROXY_NAME):
+        return []
+    header, idle, connections = python_proxy_limits()
+    connections = _open_file_budget(connections)
+    if "uvicorn" not in http_util.start_asgi_http_server.__code__.co_names or http_util.uvicorn not in (
+        uvicorn,
+        getattr(http_util.uvicorn, "_uvicorn", None),
+    ):
+        raise RayCompatError("ray.serve._private.http_util.start_asgi_http_server no longer builds uvicorn.Config")
+    http_util.uvicorn = _UvicornWithBounds(uvicorn, bounded_http_protocol(header, idle, connections))
+    logger.info("HTTP proxy bounds: %d header bytes, %gs idle, %d connections", header, idle, connections)
+    return []
 
 
 def is_loopback(host: str) -> bool:

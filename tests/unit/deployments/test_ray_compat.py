@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from ray.serve import context as serve_context
@@ -315,3 +316,64 @@ def test_haproxy_side_ports_move_only_off_a_port_something_listens_on(monkeypatc
         env = {"METRICS": "9999"}
         ray_compat.use_fast_path(env)
         assert env["METRICS"] == "9999"  # a value the user exported wins
+
+
+def test_the_python_proxy_hook_is_set_only_where_haproxy_is_off_and_an_exported_one_wins():
+    class Args:
+        proxy_max_header_bytes, proxy_idle_timeout_s, proxy_max_connections = 8192, 3, 100
+
+    default = {}
+    ray_compat.use_proxy_bounds(Args(), default)
+    assert default[ray_compat.PROXY_CALLBACK_ENV] == ray_compat.PROXY_CALLBACK
+    assert ray_compat.python_proxy_limits(default) == (8192, 3.0, 100)  # what the proxy reads: the same AppArgs
+    fast = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    ray_compat.use_proxy_bounds(Args(), fast)
+    assert ray_compat.PROXY_CALLBACK_ENV not in fast
+    own = {ray_compat.PROXY_CALLBACK_ENV: "mine:callback"}
+    ray_compat.use_proxy_bounds(Args(), own)
+    assert own[ray_compat.PROXY_CALLBACK_ENV] == "mine:callback"
+    module, _, name = ray_compat.PROXY_CALLBACK.partition(":")
+    assert module == ray_compat.__name__ and callable(getattr(ray_compat, name))
+
+
+def test_the_bounded_protocol_refuses_big_heads_times_out_idle_ones_and_makes_room_for_new_ones():
+    """uvicorn with `bounded_http_protocol` (what the hook gives Serve's proxy), in a thread of this process."""
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from tests.serve_fixtures import free_port, wait_for
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port, cap = free_port(), 8
+    protocol = ray_compat.bounded_http_protocol(4096, 1.0, cap)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol, lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_for(lambda: server.started, timeout_s=30, what="uvicorn")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as big:
+            try:
+                big.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 2**20)
+            except OSError:  # closed while sending
+                pass
+            answer = big.recv(100)
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer  # b"": lost to the reset
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(cap + 4)]
+        assert httpx.get(url, timeout=10).text == "ok"  # served at once: the oldest idle ones gave way
+        started = time.monotonic()
+        assert all(s.recv(10) == b"" for s in idle)  # closed (the oldest 5 at once, the others timed out), unanswered
+        assert time.monotonic() - started < 8
+        for s in idle:
+            s.close()
+        with httpx.Client() as client:  # a keep-alive connection is served again, the timer restarted by each head
+            assert [client.get(url, timeout=10).text for _ in range(3)] == ["ok"] * 3
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

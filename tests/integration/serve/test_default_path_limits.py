@@ -1,0 +1,151 @@
+"""The HTTP front's bounds on Serve's default request path (issue 44, cases 4 and 5): Serve's Python proxy, which
+Ray 2.60 starts with no header cap, no timeout for a request head and no connection cap, gets the fast path's
+bounds from the same `AppArgs` through Serve's proxy callback (`ray_compat.bound_python_proxy`).
+
+* A huge request header is refused at once (431, or closed) while `/health` answers (before: 58.5 s for 256 MiB).
+* Connections that never send a byte, or send a head too slowly, are closed after `proxy_idle_timeout_s` (before:
+  kept for ever), and a new request is served while more idle connections than `proxy_max_connections` are open.
+
+One launcher subprocess for the module (`--request-path default`), with a small cap and timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.serve.test_launcher_request_path import ROOT, environment
+from tests.integration.serve.test_proxy_limits import status_line
+from tests.serve_fixtures import free_port, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
+
+IDLE_TIMEOUT_S = 2
+MAX_CONNECTIONS = 32
+MAX_HEADER_BYTES = 16384
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    """The port of a launcher on Serve's default path with a small connection cap and idle timeout."""
+    port = free_port()
+    log = (tmp_path_factory.mktemp("default_path_limits") / "launcher.log").open("w+")
+    cmd = [
+        sys.executable, "-m", "deployments", f"--port={port}", "--request-path", "default", "ingress_replicas=1",
+        f"proxy_idle_timeout_s={IDLE_TIMEOUT_S}", f"proxy_max_connections={MAX_CONNECTIONS}",
+        f"proxy_max_header_bytes={MAX_HEADER_BYTES}",
+    ]  # fmt: skip
+    env = {k: v for k, v in environment().items() if not k.startswith(("RAY_SERVE_HAPROXY_", "RAY_SERVE_HTTP_PROXY"))}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"the launcher exited while starting:\n{Path(log.name).read_text()[-3000:]}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(healthy, timeout_s=300, interval_s=0.5, what="the launcher's /health")
+        yield port
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def test_a_huge_header_is_refused_at_once_and_health_answers(launcher):
+    port = launcher
+    health_s: list[float] = []
+    sending = threading.Event()
+    sending.set()
+
+    def poll_health():
+        with httpx.Client(timeout=30) as client:
+            while sending.is_set():
+                t0 = time.monotonic()
+                assert client.get(f"http://127.0.0.1:{port}/health").status_code == 200
+                health_s.append(time.monotonic() - t0)
+
+    poller = threading.Thread(target=poll_health, daemon=True)
+    poller.start()
+    wait_for(lambda: health_s, timeout_s=30, what="the first /health")
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    started = time.monotonic()
+    sent = 0
+    try:
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nX-Padding: ")
+        chunk = b"a" * 2**20
+        while sent < 256 * 2**20:  # 256 MiB of one header, as in the issue; the proxy stops reading early
+            sock.sendall(chunk)
+            sent += len(chunk)
+    except OSError:  # refused and closed while we were still sending
+        pass
+    line = status_line(sock)  # the 431 may be lost to the reset of a close with our bytes unread: b""
+    elapsed = time.monotonic() - started
+    sock.close()
+    answered = len(health_s)
+    wait_for(lambda: len(health_s) > answered, timeout_s=30, what="a /health after the refusal")
+    sending.clear()
+    poller.join(timeout=60)
+    assert line in (b"", b"HTTP/1.1 431 Request Header Fields Too Large"), (line, sent)
+    assert elapsed < 10, elapsed  # 58.5 s in the issue; a wide margin over what it takes (milliseconds)
+    assert sent < 16 * 2**20, sent  # the bytes were not taken in
+    assert health_s and max(health_s) < 5, health_s
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+
+
+def test_a_head_sent_slowly_is_timed_out(launcher):
+    port = launcher
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        started = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        try:  # a header byte now and then, as a slow client would; the proxy gives up after IDLE_TIMEOUT_S
+            while time.monotonic() - started < 10 * IDLE_TIMEOUT_S + 30:
+                sock.sendall(b"X")
+                try:
+                    if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) is not None:
+                        break  # an answer, or b"": closed
+                except BlockingIOError:
+                    time.sleep(0.2)  # the client's pace, not a wait for the server
+        except OSError:  # closed while we were sending
+            pass
+        line = status_line(sock)
+    assert line in (b"", b"HTTP/1.1 408 Request Timeout"), line
+    assert time.monotonic() - started < 10 * IDLE_TIMEOUT_S + 30
+
+
+def test_idle_connections_are_closed_and_new_requests_served(launcher):
+    port = launcher
+    idle = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 16):  # more than the cap: the oldest ones give way to newer ones
+            s = socket.socket()
+            s.settimeout(60)
+            s.connect(("127.0.0.1", port))
+            idle.append(s)
+        started = time.monotonic()
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=60)
+        assert r.status_code == 200
+        assert time.monotonic() - started < 10 * IDLE_TIMEOUT_S  # not after the idle ones time out
+        lines = [status_line(s) for s in idle]  # each is closed, never left open (before: for ever)
+        assert all(line == b"" for line in lines), set(lines)
+        assert time.monotonic() - started < 10 * IDLE_TIMEOUT_S + 30
+    finally:
+        for s in idle:
+            s.close()
