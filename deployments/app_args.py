@@ -385,32 +385,35 @@ class LimitArgs(BaseModel):
     body_min_rate: int = Field(
         1 * 2**20, gt=0, description="Bytes per second a request body's time limit grows by (see body_timeout_s)."
     )
-    # The HTTP front on the fast request path (HAProxy, one per node): applied through Serve's HAProxy variables
-    # (`ray_compat.proxy_bounds_env`) to a Ray instance not started yet (the launcher, `serve run` of a local Ray, a
-    # pipeline); Serve's Python proxy (the default path) has no such settings in Ray 2.60 (docs/limits.md).
+    # The HTTP front on both request paths: put into Serve's HAProxy variables (`ray_compat.proxy_bounds_env`) for a
+    # Ray instance not started yet (the launcher, `serve run` of a local Ray, a pipeline); on the fast path HAProxy
+    # applies them, on the default path Serve's Python proxy does through our proxy hook
+    # (`ray_compat.bound_python_proxy`: Ray 2.60's uvicorn settings have no header cap, head timeout or eviction).
     proxy_max_header_bytes: int = Field(
         16384,
         ge=4096,
         le=2**20,
-        description="Fast path: HAProxy's buffer (tune.bufsize); a request line and headers longer than this less "
-        "1 KiB are answered 400 at once, before anything is forwarded (body bytes are not counted).",
+        description="Request line and headers: longer is refused before anything is forwarded (fast path: HAProxy's "
+        "buffer, tune.bufsize, less 1 KiB, 400; default path: 431; body bytes are not counted).",
     )
     proxy_idle_timeout_s: int = Field(
         10,
         ge=1,
         le=3600,
-        description="Fast path: HAProxy's client timeout, seconds a client may stay silent while its request (head or "
-        "body) is expected, or leave a response unread; then 408 and the connection is closed. A slow answer is not "
-        "cut by it. Serve's default is 3600.",
+        description="Seconds a client may stay silent while its request is expected (fast path: HAProxy's client "
+        "timeout, head or body, or a response left unread; default path: a connection with no complete request head "
+        "that long after it opened or after its last response); then 408 (or a close) and the connection ends. A slow "
+        "answer is not cut by it. Serve's default is 3600 on the fast path, none on the default one.",
     )
     proxy_max_connections: int | None = Field(
         None,
         ge=16,
         le=2**20,
-        description="Fast path: client connections HAProxy holds at once (maxconn); more wait in the kernel's accept "
-        "queue until one closes. Default: what the open-file limit where Ray starts allows HAProxy (about 2.5 "
-        "descriptors a connection), at most 65536 (Serve's default is 4096); HAProxy refuses to start when a "
-        "value does not fit that limit.",
+        description="Client connections held at once (fast path: HAProxy's maxconn, more wait in the kernel's accept "
+        "queue; default path: past it a new connection closes the one that has waited longest for a request head, "
+        "or gets 503 when every one is inside a request). Default: what the open-file limit where Ray starts allows "
+        "(about 2.5 descriptors a connection on the fast path), at most 65536 (Serve's default is 4096); HAProxy "
+        "refuses to start when a value does not fit that limit.",
     )
 
     @field_validator("image_formats", "url_allowlist", "url_schemes", mode="before")
