@@ -73,3 +73,16 @@ def png_with_text(side: int, megabytes: int, before_pixels: bool = False) -> byt
         ihdr_end = 8 + 8 + 13 + 4  # signature, then IHDR: length and type, 13 bytes of fields, CRC
         return png[:ihdr_end] + text + png[ihdr_end:]
     return png[:-12] + text + png[-12:]  # before IEND (the last 12 bytes)
+
+
+def two_bucket_images() -> list[tuple[bytes, np.ndarray]]:
+    """A small (64x80: bucket 256) and a large (448x448: bucket 1024) PNG with their mean embeddings from the eager
+    `tiny` encoder: with one image per encoder request the bucket router sends them to different replicas."""
+    import encoder
+
+    reference = encoder.load("tiny")
+    out = []
+    for h, w in ((64, 80), (448, 448)):
+        data = encode(random_image("RGB", h, w, h), "PNG")
+        out.append((data, reference.encode([data], pooling="mean")[0].numpy()))
+    return out

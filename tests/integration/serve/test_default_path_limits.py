@@ -11,21 +11,13 @@ One launcher subprocess for the module (`--request-path default`), with a small 
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.serve.test_launcher_request_path import ROOT, environment
-from tests.integration.serve.test_proxy_limits import status_line
-from tests.serve_fixtures import free_port, wait_for
+from tests.launcher import environment, running_launcher, send_huge_header, status_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
 
@@ -37,72 +29,19 @@ MAX_HEADER_BYTES = 16384
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory):
     """The port of a launcher on Serve's default path with a small connection cap and idle timeout."""
-    port = free_port()
-    log = (tmp_path_factory.mktemp("default_path_limits") / "launcher.log").open("w+")
-    cmd = [
-        sys.executable, "-m", "deployments", f"--port={port}", "--request-path", "default", "ingress_replicas=1",
-        f"proxy_idle_timeout_s={IDLE_TIMEOUT_S}", f"proxy_max_connections={MAX_CONNECTIONS}",
-        f"proxy_max_header_bytes={MAX_HEADER_BYTES}",
+    args = [
+        "--request-path", "default", f"proxy_idle_timeout_s={IDLE_TIMEOUT_S}",
+        f"proxy_max_connections={MAX_CONNECTIONS}", f"proxy_max_header_bytes={MAX_HEADER_BYTES}",
     ]  # fmt: skip
     env = {k: v for k, v in environment().items() if not k.startswith(("RAY_SERVE_HAPROXY_", "RAY_SERVE_HTTP_PROXY"))}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"the launcher exited while starting:\n{Path(log.name).read_text()[-3000:]}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(healthy, timeout_s=300, interval_s=0.5, what="the launcher's /health")
+    with running_launcher(tmp_path_factory.mktemp("default_path_limits"), args, env) as (port, _, _):
         yield port
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
 
 
 def test_a_huge_header_is_refused_at_once_and_health_answers(launcher):
     port = launcher
-    health_s: list[float] = []
-    sending = threading.Event()
-    sending.set()
-
-    def poll_health():
-        with httpx.Client(timeout=30) as client:
-            while sending.is_set():
-                t0 = time.monotonic()
-                assert client.get(f"http://127.0.0.1:{port}/health").status_code == 200
-                health_s.append(time.monotonic() - t0)
-
-    poller = threading.Thread(target=poll_health, daemon=True)
-    poller.start()
-    wait_for(lambda: health_s, timeout_s=30, what="the first /health")
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    started = time.monotonic()
-    sent = 0
-    try:
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nX-Padding: ")
-        chunk = b"a" * 2**20
-        while sent < 256 * 2**20:  # 256 MiB of one header, as in the issue; the proxy stops reading early
-            sock.sendall(chunk)
-            sent += len(chunk)
-    except OSError:  # refused and closed while we were still sending
-        pass
-    line = status_line(sock)  # the 431 may be lost to the reset of a close with our bytes unread: b""
-    elapsed = time.monotonic() - started
-    sock.close()
-    answered = len(health_s)
-    wait_for(lambda: len(health_s) > answered, timeout_s=30, what="a /health after the refusal")
-    sending.clear()
-    poller.join(timeout=60)
+    # the 431 may be lost to the reset of a close with our bytes unread: b""
+    line, elapsed, sent, health_s = send_huge_header(port)
     assert line in (b"", b"HTTP/1.1 431 Request Header Fields Too Large"), (line, sent)
     assert elapsed < 10, elapsed  # 58.5 s in the issue; a wide margin over what it takes (milliseconds)
     assert sent < 16 * 2**20, sent  # the bytes were not taken in

@@ -24,9 +24,8 @@ import numpy as np
 import pytest
 from ray import serve
 
-import encoder
 from deployments.config import ENCODER_NAME
-from tests.images_util import encode, random_image
+from tests.images_util import two_bucket_images
 from tests.serve_fixtures import app_fixture, wait_for
 
 pytestmark = pytest.mark.slow
@@ -50,12 +49,7 @@ app = app_fixture(ARGS, APP)
 @pytest.fixture(scope="module")
 def images():
     """A small and a large image (two buckets, so both replicas own traffic) with their expected embeddings."""
-    reference = encoder.load("tiny")
-    out = []
-    for h, w in ((64, 80), (448, 448)):
-        data = encode(random_image("RGB", h, w, h), "PNG")
-        out.append((data, reference.encode([data], pooling="mean")[0].numpy()))
-    return out
+    return two_bucket_images()
 
 
 @pytest.fixture(scope="module")

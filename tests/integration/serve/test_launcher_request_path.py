@@ -9,30 +9,19 @@ Each case starts its own Ray in a launcher subprocess (~15-40 s on the 2-core bo
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from deployments.ray_compat import FAST_PATH_ENV
-from tests.serve_fixtures import free_port, wait_for
+from tests.launcher import running_launcher
+from tests.serve_fixtures import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def environment() -> dict[str, str]:
-    """A newcomer's environment: none of Serve's flags, no cluster address, no auth mode."""
-    drop = {*FAST_PATH_ENV, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "RAY_AUTH_MODE", "RAY_ADDRESS"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    return env | {"PYTHONPATH": str(ROOT)}
 
 
 def listener(port: int) -> str:
@@ -45,23 +34,8 @@ def listener(port: int) -> str:
 def launch_and_look(tmp_path: Path, args: list[str]) -> tuple[str, str]:
     """Start the launcher with `args`, wait for /health 200, and return (the listener's name, the output so far);
     the launcher is stopped with SIGTERM (its whole process group if it does not exit)."""
-    port = free_port()
-    log = (tmp_path / "launcher.log").open("w+")
-    cmd = [sys.executable, "-m", "deployments", f"--port={port}", "ingress_replicas=1", *args]
-    env = environment()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"the launcher exited while starting:\n{Path(log.name).read_text()[-3000:]}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(healthy, timeout_s=300, interval_s=0.5, what="the launcher's /health")
-        wait_for(lambda: "vision service ready" in Path(log.name).read_text(), 60, what="the ready line")
+    with running_launcher(tmp_path, args) as (port, proc, log_path):
+        wait_for(lambda: "vision service ready" in log_path.read_text(), 60, what="the ready line")
         name = listener(port)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": [tiny_png()]}, timeout=60)
         assert r.status_code == 200, r.text[:500]
@@ -69,12 +43,7 @@ def launch_and_look(tmp_path: Path, args: list[str]) -> tuple[str, str]:
         stopping = time.monotonic()
         proc.wait(timeout=90)
         print(f"{args}: stopped {time.monotonic() - stopping:.1f}s after SIGTERM")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-    return name, Path(log.name).read_text()
+    return name, log_path.read_text()
 
 
 def tiny_png() -> str:

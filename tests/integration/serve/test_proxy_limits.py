@@ -13,21 +13,14 @@ One launcher subprocess for the module, with a small cap and timeout so that the
 from __future__ import annotations
 
 import ipaddress
-import os
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import ray  # noqa: F401  (puts Ray's bundled psutil on the path)
 
-from tests.integration.serve.test_launcher_request_path import ROOT, environment
-from tests.serve_fixtures import free_port, wait_for
+from tests.launcher import running_launcher, send_huge_header, status_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
 
@@ -38,86 +31,14 @@ MAX_CONNECTIONS = 32
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory):
     """(port, process) of a launcher on 127.0.0.1 with a small connection cap and idle timeout."""
-    port = free_port()
-    log = (tmp_path_factory.mktemp("proxy_limits") / "launcher.log").open("w+")
-    cmd = [
-        sys.executable, "-m", "deployments", f"--port={port}", "ingress_replicas=1",
-        f"proxy_idle_timeout_s={IDLE_TIMEOUT_S}", f"proxy_max_connections={MAX_CONNECTIONS}",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"the launcher exited while starting:\n{Path(log.name).read_text()[-3000:]}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(healthy, timeout_s=300, interval_s=0.5, what="the launcher's /health")
+    args = [f"proxy_idle_timeout_s={IDLE_TIMEOUT_S}", f"proxy_max_connections={MAX_CONNECTIONS}"]
+    with running_launcher(tmp_path_factory.mktemp("proxy_limits"), args) as (port, proc, _):
         yield port, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-
-
-def status_line(sock: socket.socket) -> bytes:
-    """The first line the server sends on `sock`, or b"" when it closes without one."""
-    data = b""
-    while b"\r\n" not in data:
-        try:
-            chunk = sock.recv(4096)
-        except ConnectionResetError:
-            break
-        if not chunk:
-            break
-        data += chunk
-    return data.split(b"\r\n", 1)[0]
 
 
 def test_a_huge_header_is_refused_at_once_and_health_answers(launcher):
     port, _ = launcher
-    health_s: list[float] = []
-    sending = threading.Event()
-    sending.set()
-
-    def poll_health():
-        with httpx.Client(timeout=30) as client:
-            while sending.is_set():
-                t0 = time.monotonic()
-                assert client.get(f"http://127.0.0.1:{port}/health").status_code == 200
-                health_s.append(time.monotonic() - t0)
-
-    poller = threading.Thread(target=poll_health, daemon=True)
-    poller.start()
-    wait_for(lambda: health_s, timeout_s=30, what="the first /health")
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    started = time.monotonic()
-    sent = 0
-    try:
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nX-Padding: ")
-        chunk = b"a" * 2**20
-        while sent < 256 * 2**20:  # 256 MiB of one header, as in the issue; the server stops reading early
-            sock.sendall(chunk)
-            sent += len(chunk)
-    except OSError:  # refused and closed while we were still sending
-        pass
-    line = status_line(sock)
-    elapsed = time.monotonic() - started
-    sock.close()
-    answered = len(health_s)
-    wait_for(lambda: len(health_s) > answered, timeout_s=30, what="a /health after the refusal")
-    sending.clear()
-    poller.join(timeout=60)
+    line, elapsed, sent, health_s = send_huge_header(port)
     assert line.startswith(b"HTTP/1.1 400"), (line, sent)
     assert elapsed < 10, elapsed  # 58.5 s in the issue; a wide margin over what it takes (milliseconds)
     assert sent < 16 * 2**20, sent  # the bytes were not taken in

@@ -18,9 +18,8 @@ import pytest
 import ray
 from ray import serve
 
-import encoder
 from deployments.config import ENCODER_NAME
-from tests.images_util import encode, random_image
+from tests.images_util import two_bucket_images
 from tests.serve_fixtures import app_fixture, make_switch
 
 pytestmark = pytest.mark.slow
@@ -62,12 +61,7 @@ def encoder_handle(app):
 @pytest.fixture(scope="module")
 def images():
     """A small (bucket 256) and a large (bucket 1024) image with their expected embeddings."""
-    reference = encoder.load("tiny")
-    out = []
-    for h, w in ((64, 80), (448, 448)):
-        data = encode(random_image("RGB", h, w, h), "PNG")
-        out.append((data, reference.encode([data], pooling="mean")[0].numpy()))
-    return out
+    return two_bucket_images()
 
 
 def post(client: httpx.Client, data: bytes) -> httpx.Response:
