@@ -28,10 +28,13 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--launch", action="store_true", help="profile the host side of one-image launches")
     parser.add_argument("--graph", action="store_true", help="profile graph replays (GraphEncoder) instead of eager")
+    parser.add_argument("--quantization", default=None, choices=["fp8"], help="the tower's block linears in fp8")
     args = parser.parse_args()
     if args.launch:
         return profile_launch(args)
-    enc = encoder.load(args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend)
+    enc = encoder.load(
+        args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend, quantization=args.quantization
+    )
     enc.model.fuse(128)
     run = enc.forward_packed
     if args.graph:

@@ -4,7 +4,8 @@ The profile of an eager forward on the H200 (docs/journal/benchmarks.md) shows u
 float32 rotary with its cat/neg/mul chain, float32 RMSNorm in four passes, SiLU times up, the
 residual adds — taking more GPU time than the GEMMs. Each kernel here reads its inputs once and
 writes its outputs once. `fused(x)` decides per tensor: Triton on CUDA, the torch reference
-elsewhere (CPU, or `ENCODER_FUSED=0` to compare).
+elsewhere (CPU, or `ENCODER_FUSED=0` to compare): `dispatch.py`. `add_norm` and the activations can
+also write their output as FP8 rows (`fp8=True`) for an FP8 GEMM that reads it (`kernels/fp8.py`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,13 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
+from encoder.kernels.dispatch import fused, triton
+from encoder.kernels.fp8 import Fp8Rows, empty_rows, num_warps_for, rows_reference
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # CPU-only installs without triton use the references
-    triton = None
 
-
-def fused(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and os.environ.get("ENCODER_FUSED", "1") != "0"
+    from encoder.kernels.fp8 import _store_fp8_row
 
 
 # -- residual add + norm -------------------------------------------------------------------------
@@ -31,8 +30,8 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(
-        x_ptr, r_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, n_cols, eps,
-        HAS_RES: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, r_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, scale_ptr, n_cols, eps,
+        HAS_RES: tl.constexpr, RMS: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -53,7 +52,10 @@ if triton is not None:
         y = y * w
         if not RMS:
             y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if FP8:  # out: e4m3 [S, D], scale_ptr: [S] float32
+            _store_fp8_row(y, out_ptr + row * n_cols, scale_ptr, row, cols, mask)
+        else:
+            tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_norm(
@@ -63,8 +65,10 @@ def add_norm(
     bias: torch.Tensor | None,
     eps: float,
     rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, norm(x + residual)): the sum in float32, the norm in the weight's dtype.
+    fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
+    """(x + residual, norm(x + residual)): the sum in float32, the norm in the weight's dtype, or with
+    `fp8` as e4m3 rows with per-row scales (`Fp8Rows`, quantised from the float32 norm) for an FP8 GEMM.
 
     RMSNorm when `rms`, else LayerNorm with `bias`. The residual stream stays float32 for the
     whole tower (only GEMM inputs are rounded to the model dtype): in bf16 a 32-block tower
@@ -77,15 +81,20 @@ def add_norm(
             y = weight.float() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps))
         else:
             y = F.layer_norm(s, (s.shape[-1],), weight.float(), bias.float(), eps)
-        return s, y.to(weight.dtype)
+        return s, rows_reference(y) if fp8 else y.to(weight.dtype)
     rows, cols = x.shape
-    out = torch.empty(rows, cols, dtype=weight.dtype, device=x.device)
+    if fp8:
+        out = empty_rows(rows, cols, x.device)
+        out_ptr, scale_ptr = out.q, out.scale
+    else:
+        out = out_ptr = torch.empty(rows, cols, dtype=weight.dtype, device=x.device)
+        scale_ptr = out_ptr  # not read
     if residual is None and x.dtype != torch.float32:
         x = x.float()
     total = torch.empty(rows, cols, dtype=torch.float32, device=x.device) if residual is not None else x
     _add_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, bias if bias is not None else weight, total, out,
-        cols, eps, HAS_RES=residual is not None, RMS=rms, BLOCK=triton.next_power_of_2(cols),
+        x, residual if residual is not None else x, weight, bias if bias is not None else weight, total, out_ptr,
+        scale_ptr, cols, eps, HAS_RES=residual is not None, RMS=rms, FP8=fp8, BLOCK=triton.next_power_of_2(cols),
         num_warps=4 if cols <= 2048 else 8,
     )  # fmt: skip
     return total, out
@@ -201,43 +210,94 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
 
 
 # -- MLP activations -----------------------------------------------------------------------------
+SILU_MUL, QUICK_GELU, GELU_TANH = 0, 1, 2  # the activations the kernels know (ACT)
+
 if triton is not None:
 
     @triton.jit
-    def _act_kernel(in_ptr, out_ptr, n_cols, GATED: tl.constexpr, BLOCK: tl.constexpr):
-        # GATED: in is [S, 2F] = [gate | up] -> silu(gate) * up; else in is [S, F] -> quick_gelu
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        if GATED:
+    def _activate(in_ptr, row, cols, mask, n_cols, ACT: tl.constexpr):
+        # one row's activations in float32. SILU_MUL: in is [S, 2F] = [gate | up] -> silu(gate) * up;
+        # QUICK_GELU: h * sigmoid(1.702 h); GELU_TANH: 0.5 h (1 + tanh(u)) = h * sigmoid(2u),
+        # u = sqrt(2 / pi) (h + 0.044715 h^3). Masked lanes give 0 (every activation has act(0) = 0)
+        if ACT == 0:
             g = tl.load(in_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(in_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             y = g * tl.sigmoid(g) * u
         else:
             h = tl.load(in_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            y = h * tl.sigmoid(1.702 * h)
+            if ACT == 1:
+                y = h * tl.sigmoid(1.702 * h)
+            else:
+                y = h * tl.sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h))
+        return y
+
+    @triton.jit
+    def _act_kernel(in_ptr, out_ptr, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        # a (row, column block) -> the activation in out's dtype
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = _activate(in_ptr, row, cols, mask, n_cols, ACT)
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _act_fp8_kernel(in_ptr, q_ptr, scale_ptr, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        # a whole row (the scale needs its amax) -> e4m3 row and its scale
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = _activate(in_ptr, row, cols, mask, n_cols, ACT)
+        _store_fp8_row(y, q_ptr + row * n_cols, scale_ptr, row, cols, mask)
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[S, 2F] (gate | up) -> silu(gate) * up, [S, F]."""
-    rows, two_f = gate_up.shape
-    f = two_f // 2
-    if not fused(gate_up):
-        g, u = gate_up.split(f, dim=-1)
+
+def _act_reference(x: torch.Tensor, act: int) -> torch.Tensor:
+    # float32, as the kernels compute
+    x = x.float()
+    if act == SILU_MUL:
+        g, u = x.chunk(2, dim=-1)
         return F.silu(g) * u
-    out = torch.empty(rows, f, dtype=gate_up.dtype, device=gate_up.device)
-    _act_kernel[(rows, triton.cdiv(f, 1024))](gate_up, out, f, GATED=True, BLOCK=1024, num_warps=4)
+    if act == QUICK_GELU:
+        return x * torch.sigmoid(1.702 * x)
+    return F.gelu(x, approximate="tanh")
+
+
+def _act(x: torch.Tensor, act: int, fp8: bool) -> torch.Tensor | Fp8Rows:
+    # x: [S, F] ([S, 2F] for SILU_MUL) -> [S, F] in x's dtype, or Fp8Rows
+    rows = x.shape[0]
+    f = x.shape[1] // 2 if act == SILU_MUL else x.shape[1]
+    if not fused(x):
+        y = _act_reference(x, act)
+        return rows_reference(y) if fp8 else y.to(x.dtype)
+    assert x.is_contiguous(), x.stride()
+    if fp8:
+        out = empty_rows(rows, f, x.device)
+        block = triton.next_power_of_2(f)
+        _act_fp8_kernel[(rows,)](x, out.q, out.scale, f, ACT=act, BLOCK=block, num_warps=num_warps_for(block))
+        return out
+    out = torch.empty(rows, f, dtype=x.dtype, device=x.device)
+    _act_kernel[(rows, triton.cdiv(f, 1024))](x, out, f, ACT=act, BLOCK=1024, num_warps=4)
     return out
 
 
-def quick_gelu(h: torch.Tensor) -> torch.Tensor:
-    if not fused(h):
+def silu_mul(gate_up: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Rows:
+    """[S, 2F] (gate | up) -> silu(gate) * up, [S, F] (or Fp8Rows with `fp8`)."""
+    if not fused(gate_up) and not fp8:  # the reference in the input's dtype, as HF computes it
+        g, u = gate_up.split(gate_up.shape[1] // 2, dim=-1)
+        return F.silu(g) * u
+    return _act(gate_up, SILU_MUL, fp8)
+
+
+def quick_gelu(h: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Rows:
+    if not fused(h) and not fp8:
         return h * torch.sigmoid(1.702 * h)
-    rows, f = h.shape
-    out = torch.empty_like(h)
-    _act_kernel[(rows, triton.cdiv(f, 1024))](h, out, f, GATED=False, BLOCK=1024, num_warps=4)
-    return out
+    return _act(h, QUICK_GELU, fp8)
+
+
+def gelu_tanh(h: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Rows:
+    """The tanh-approximated GELU, one pass (or Fp8Rows with `fp8`)."""
+    if not fused(h) and not fp8:
+        return F.gelu(h, approximate="tanh")
+    return _act(h, GELU_TANH, fp8)
 
 
 # -- per-image means ---------------------------------------------------------------------------
@@ -288,17 +348,18 @@ def segment_means(tokens: torch.Tensor, cu_tokens: torch.Tensor, slots: int, div
 
 
 # -- GEMMs with their neighbours folded in (cuBLAS) -----------------------------------------------
-def linear_gelu_tanh(x: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
+def linear_gelu_tanh(x, linear: torch.nn.Module, fp8: bool = False):
     """gelu_tanh(x @ W.T + b): on CUDA one cuBLASLt GEMM whose epilogue adds the bias and applies the
     tanh-approximated GELU (`torch._addmm_activation`), instead of a GEMM plus a pass over the
     [S, F] hidden activations (3.5 ms of a 94 ms Qwen3-VL-8B forward at 8 x 896², docs/journal/benchmarks.md).
     The CPU kernel of that op applies the exact-erf GELU instead, so everywhere else: the reference."""
-    # x: [S, D] -> [S, F]
-    # an FP8 layer (`encoder.models.fp8.Fp8Linear`, not an nn.Linear) has no such epilogue: its GEMM, then the GELU
-    fusable = isinstance(linear, torch.nn.Linear) and linear.bias is not None
-    if x.is_cuda and x.dim() == 2 and fusable and os.environ.get("ENCODER_FUSED", "1") != "0":
+    # x: [S, D] (or Fp8Rows) -> [S, F], or Fp8Rows with `fp8` (the next GEMM is an FP8 one)
+    # an FP8 layer (`encoder.models.fp8.Fp8Linear`, not an nn.Linear) has no such epilogue: its GEMM, then
+    # the GELU kernel, which also quantises for the next FP8 GEMM
+    fusable = isinstance(linear, torch.nn.Linear) and linear.bias is not None and not fp8
+    if fusable and x.is_cuda and x.dim() == 2 and os.environ.get("ENCODER_FUSED", "1") != "0":
         return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
-    return F.gelu(linear(x), approximate="tanh")
+    return gelu_tanh(linear(x), fp8=fp8)
 
 
 # torch.mm(..., out_dtype=) (16-bit inputs, float32 output) exists from torch 2.8 on

@@ -4,8 +4,10 @@ Made at load time, after the weights and the exact layout changes (`fusion.py`, 
   * weights: float8_e4m3fn [out, in] with one float32 scale per output channel (row amax / 448), so
     each channel uses e4m3's whole range; rows that are all zero (padded hidden units) get a tiny
     scale instead of 0 (0 / 0 would be NaN);
-  * activations: quantised per token (row) on the device at every call, with tensor ops only (no
-    `.item()`, no host read, no static calibration): the same ops are captured into the CUDA graphs;
+  * activations: quantised per token (row) on the device at every call (no `.item()`, no host read, no
+    static calibration), captured into the CUDA graphs as they are: by the kernel that produces them where
+    a norm or an MLP activation does (`add_norm(..., fp8=True)`, `silu_mul(..., fp8=True)`: the 16-bit
+    activation is never written), else by one Triton pass (`encoder.kernels.fp8.quantize_rows`);
   * the GEMM: `torch._scaled_mm` with row-wise scales (scale_a [M, 1] per token, scale_b [1, N] per
     channel), accumulating in float32, adding the bias and writing bfloat16 in one call (cuBLASLt /
     CUTLASS, sm89 and newer).
@@ -24,21 +26,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-# amax floor: an all-zero row gets scale 1e-12 / 448 and quantises to zeros (a zero scale would give 0 / 0)
-MIN_AMAX = 1e-12
+from encoder.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, Fp8Rows, quantize_reference, quantize_rows
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_AMAX", "Fp8Linear", "Fp8Rows", "dequantize", "quantize_blocks", "quantize_rows"]
 # torch._scaled_mm's FP8 operands: both the reduction width K and the output width N multiples of 16
 ALIGN = 16
-
-
-def _quantize(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # x: [R, K] (any float dtype), amax: [R, 1] float32 -> (x / scale in e4m3 [R, K], scale [R, 1] float32)
-    scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
-    # the clamp: the row's largest value divided by its scale may round to a hair above 448, and a
-    # float32 past e4m3's range casts to NaN (e4m3fn has no infinity)
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
 
 
 @torch.no_grad()
@@ -46,20 +38,18 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (float8_e4m3fn [out, in], scale [out] float32): one scale per output channel,
     w ≈ q.float() * scale[:, None]."""
     assert w.dim() == 2, w.shape
-    q, scale = _quantize(w, w.float().abs().amax(dim=1, keepdim=True))
+    q, scale = quantize_reference(w, w.float().abs().amax(dim=1, keepdim=True))
     return q, scale.view(-1)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, K] -> (float8_e4m3fn [rows, K], scale [rows, 1] float32): one scale per row (token),
-    x ≈ q.float() * scale. Device tensor ops only, no host sync: capturable in a CUDA graph."""
-    assert x.dim() == 2, x.shape
-    return _quantize(x, x.abs().amax(dim=1, keepdim=True).float())
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 values `q` stands for: q * scale (scale [rows, 1] or [1, cols], broadcast)."""
     return q.float() * scale
+
+
+def takes_fp8(linear: nn.Module) -> bool:
+    """Whether this layer reads FP8 rows: its producer (a norm, an activation) then writes them directly."""
+    return isinstance(linear, Fp8Linear)
 
 
 class Fp8Linear(nn.Module):
@@ -70,13 +60,14 @@ class Fp8Linear(nn.Module):
     stays the model dtype. Not an `nn.Linear` on purpose: code that reads `.weight` as a 16-bit matrix
     (the fused GELU epilogue, `fusion.pad_linear`) checks the type and leaves these alone."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_dtype=torch.bfloat16):
         super().__init__()
         # weight: [N, K] float8_e4m3fn row-major; its .t() is the column-major [K, N] _scaled_mm wants
         # as its second operand. scale: [N] float32. bias: [N] in the output dtype (bf16 on CUDA).
         assert weight.dtype == FP8_DTYPE and weight.dim() == 2, (weight.dtype, weight.shape)
         assert scale.shape == (weight.shape[0],) and scale.dtype == torch.float32, (scale.shape, scale.dtype)
         self.out_features, self.in_features = weight.shape
+        self.out_dtype = out_dtype  # the model dtype: what FP8 rows come back as
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("weight_scale", scale.view(1, -1).contiguous())  # [1, N]: scale_b
         self.register_buffer("bias", None if bias is None else bias.contiguous())
@@ -85,22 +76,26 @@ class Fp8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
         q, scale = quantize_weight(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, scale, bias)
+        return cls(q, scale, bias, out_dtype=linear.weight.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] in the model dtype -> [..., N] in the same dtype
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        xq, x_scale = quantize_rows(x2)  # [M, K] e4m3, [M, 1] float32
-        if x.is_cuda:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        # x: [..., K] in the model dtype, or Fp8Rows [M, K] its producer quantised -> [..., N] in the model dtype
+        if isinstance(x, Fp8Rows):
+            lead, (xq, x_scale) = x.q.shape[:-1], x
+        else:
+            lead = x.shape[:-1]
+            xq, x_scale = quantize_rows(x.reshape(-1, self.in_features))  # [M, K] e4m3, [M, 1] float32
+        assert xq.shape[-1] == self.in_features, (xq.shape, self.in_features)
+        out_dtype = self.out_dtype if isinstance(x, Fp8Rows) else x.dtype
+        if xq.is_cuda:
             out = torch._scaled_mm(
-                xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, bias=self.bias, out_dtype=x.dtype
+                xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, bias=self.bias, out_dtype=out_dtype
             )
         else:  # the reference: what the GEMM computes, in float32 (tests; load refuses fp8 on the CPU)
             out = dequantize(xq, x_scale) @ dequantize(self.weight, self.weight_scale.t()).t()
             if self.bias is not None:
                 out = out + self.bias.float()
-            out = out.to(x.dtype)
+            out = out.to(out_dtype)
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

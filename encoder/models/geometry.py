@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from encoder.config import Qwen25VLVisionConfig, VisionConfig
-from encoder.kernels.elementwise import fused
+from encoder.kernels.dispatch import fused
 from encoder.kernels.geometry import fused_meta
 
 

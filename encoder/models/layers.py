@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoder.attention import AttentionBackend
-from encoder.kernels.elementwise import add_norm, quick_gelu, rotary_qkv
+from encoder.kernels.elementwise import add_norm, gelu_tanh, quick_gelu, rotary_qkv
+from encoder.models.fp8 import takes_fp8
 
 
 class RMSNorm(nn.Module):
@@ -36,21 +37,27 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=True)
         self.backend: AttentionBackend | None = None  # set by the tower
 
+    def reads_fp8(self) -> bool:
+        return takes_fp8(self.qkv)
+
     def forward(self, x, cu_seqlens, max_seqlen, cos, sin):
-        # x: [S, D] packed tokens
-        s, d = x.shape
+        # x: [S, D] packed tokens (or Fp8Rows [S, D] when the qkv GEMM is FP8)
+        qkv = self.qkv(x)  # [S, 3D] in the model dtype
+        s, d = qkv.shape[0], qkv.shape[1] // 3
         # padding rows of `out` are zeroed by the rotary pass (no backend writes them)
-        out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=x.dtype, device=x.device)
-        q, k, v = rotary_qkv(self.qkv(x), cos, sin, self.num_heads, out, cu_seqlens)  # each [S, H, D/H]
+        out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=qkv.dtype, device=qkv.device)
+        q, k, v = rotary_qkv(qkv, cos, sin, self.num_heads, out, cu_seqlens)  # each [S, H, D/H]
         self.backend(q, k, v, cu_seqlens, max_seqlen, out)
         return self.proj(out.view(s, d))
 
 
-def activation(h: torch.Tensor, name: str) -> torch.Tensor:
+def activation(h: torch.Tensor, name: str, fp8: bool = False):
+    """The activation by its HF name; with `fp8` (the next GEMM is FP8) as Fp8Rows where a kernel writes them,
+    else a tensor the FP8 GEMM quantises itself."""
     if name == "quick_gelu":
-        return quick_gelu(h)  # the fused kernel on CUDA
+        return quick_gelu(h, fp8=fp8)  # the fused kernel on CUDA
     if name == "gelu_pytorch_tanh":
-        return F.gelu(h, approximate="tanh")
+        return gelu_tanh(h, fp8=fp8)
     if name == "gelu":
         return F.gelu(h)
     raise ValueError(f"unsupported activation {name!r}")

@@ -18,6 +18,7 @@ from torch import nn
 from encoder.attention import AttentionBackend
 from encoder.config import Qwen25VLVisionConfig, VisionConfig, attention_kinds
 from encoder.kernels.elementwise import add_norm, linear_float32_out, quick_gelu, silu_mul
+from encoder.models.fp8 import takes_fp8
 from encoder.models.fusion import concat_linears, pad_hidden, pad_linear, round_up
 from encoder.models.geometry import VisionMeta, compute_meta, count_windows
 from encoder.models.layers import RMSNorm, VisionAttention, norm_args
@@ -29,8 +30,11 @@ class QuickGeluMLP(nn.Module):
         super().__init__()
         self.fc1, self.fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
 
+    def reads_fp8(self) -> bool:
+        return takes_fp8(self.fc1)
+
     def forward(self, x):
-        return self.fc2(quick_gelu(self.fc1(x)))
+        return self.fc2(quick_gelu(self.fc1(x), fp8=takes_fp8(self.fc2)))
 
     def fused(self, multiple: int) -> QuickGeluMLP:
         """The same MLP with its hidden width zero-padded to a multiple (exact: act(0) = 0)."""
@@ -44,6 +48,9 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=True)
         self.up_proj = nn.Linear(dim, hidden, bias=True)
         self.down_proj = nn.Linear(hidden, dim, bias=True)
+
+    def reads_fp8(self) -> bool:
+        return takes_fp8(self.gate_proj) and takes_fp8(self.up_proj)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -62,8 +69,11 @@ class FusedSwiGLUMLP(nn.Module):
         super().__init__()
         self.gate_up, self.down_proj = gate_up, down_proj
 
+    def reads_fp8(self) -> bool:
+        return takes_fp8(self.gate_up)
+
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_up(x)))
+        return self.down_proj(silu_mul(self.gate_up(x), fp8=takes_fp8(self.down_proj)))
 
     def fused(self, multiple: int) -> FusedSwiGLUMLP:
         return self
@@ -83,8 +93,10 @@ class VisionBlock(nn.Module):
         """The residual stream is x + delta (delta None on the first block); each residual add is
         fused with the norm that follows it. Returns the new (x, delta)."""
         cu, max_len = meta.segments(self.full_attention)
-        x, h = add_norm(x, delta, *norm_args(self.norm1))
-        x, h = add_norm(self.attn(h, cu, max_len, meta.cos, meta.sin), x, *norm_args(self.norm2))
+        # h: [S, D] in the model dtype, or Fp8Rows straight from the norm when the next GEMM is FP8
+        x, h = add_norm(x, delta, *norm_args(self.norm1), fp8=self.attn.reads_fp8())
+        attn = self.attn(h, cu, max_len, meta.cos, meta.sin)
+        x, h = add_norm(attn, x, *norm_args(self.norm2), fp8=self.mlp.reads_fp8())
         return x, self.mlp(h)
 
 

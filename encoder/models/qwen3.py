@@ -26,6 +26,7 @@ from torch import nn
 from encoder.attention import AttentionBackend
 from encoder.config import Qwen3VLVisionConfig
 from encoder.kernels.elementwise import add_norm, linear_float32_out, linear_gelu_tanh
+from encoder.models.fp8 import takes_fp8
 from encoder.models.fusion import pad_hidden
 from encoder.models.geometry import VisionMeta, compute_meta
 from encoder.models.layers import VisionAttention, activation, norm_args
@@ -75,10 +76,14 @@ class GeluMLP(nn.Module):
         self.act = act
         self.linear_fc1, self.linear_fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
 
+    def reads_fp8(self) -> bool:
+        return takes_fp8(self.linear_fc1)
+
     def forward(self, x):
+        fp8 = takes_fp8(self.linear_fc2)  # the activation then writes FP8 rows
         if self.act == "gelu_pytorch_tanh":  # the activation in the fc1 GEMM's epilogue
-            return self.linear_fc2(linear_gelu_tanh(x, self.linear_fc1))
-        return self.linear_fc2(activation(self.linear_fc1(x), self.act))
+            return self.linear_fc2(linear_gelu_tanh(x, self.linear_fc1, fp8=fp8))
+        return self.linear_fc2(activation(self.linear_fc1(x), self.act, fp8=fp8))
 
     def fused(self, multiple: int) -> GeluMLP:
         """A new MLP with the hidden width zero-padded to a multiple (self when it is one already).
@@ -98,8 +103,9 @@ class Qwen3VisionBlock(nn.Module):
     def forward(self, x, delta, meta: VisionMeta):
         """The residual stream is x + delta (delta None on the first block); each residual add is
         fused with the norm that follows it. Returns the new (x, delta)."""
-        x, h = add_norm(x, delta, *norm_args(self.norm1))
-        x, h = add_norm(self.attn(h, meta.cu_seqlens, meta.max_seqlen, meta.cos, meta.sin), x, *norm_args(self.norm2))
+        x, h = add_norm(x, delta, *norm_args(self.norm1), fp8=self.attn.reads_fp8())
+        attn = self.attn(h, meta.cu_seqlens, meta.max_seqlen, meta.cos, meta.sin)
+        x, h = add_norm(attn, x, *norm_args(self.norm2), fp8=self.mlp.reads_fp8())
         return x, self.mlp(h)
 
 

@@ -34,6 +34,7 @@ from torch import nn
 from encoder.attention import AttentionBackend
 from encoder.config import ClipVisionConfig, SiglipVisionConfig, VitVisionConfig
 from encoder.kernels.elementwise import add_norm, linear_float32_out, linear_gelu_tanh
+from encoder.models.fp8 import takes_fp8
 from encoder.models.fusion import concat_linears, pad_hidden
 from encoder.models.layers import activation, norm_args
 from encoder.models.tower import Bounds, TowerOutput, backends_per_kind
@@ -45,10 +46,14 @@ class VitMLP(nn.Module):
         self.act = act
         self.fc1, self.fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
 
+    def reads_fp8(self) -> bool:
+        return takes_fp8(self.fc1)
+
     def forward(self, x):
+        fp8 = takes_fp8(self.fc2)  # the activation then writes FP8 rows
         if self.act == "gelu_pytorch_tanh":  # SigLIP: the activation in the fc1 GEMM's epilogue
-            return self.fc2(linear_gelu_tanh(x, self.fc1))
-        return self.fc2(activation(self.fc1(x), self.act))
+            return self.fc2(linear_gelu_tanh(x, self.fc1, fp8=fp8))
+        return self.fc2(activation(self.fc1(x), self.act, fp8=fp8))
 
     def fused(self, multiple: int) -> VitMLP:
         """The same MLP, hidden width zero-padded to a multiple (exact: every activation has act(0) = 0)."""
@@ -68,13 +73,16 @@ class VitAttention(nn.Module):
         self.out_proj = nn.Linear(dim, dim)
         self.backend: AttentionBackend | None = None  # set by the tower
 
+    def reads_fp8(self) -> bool:
+        return takes_fp8(self.q_proj) and takes_fp8(self.k_proj) and takes_fp8(self.v_proj)
+
     def qkv(self, x: torch.Tensor):
         s, d = x.shape
         heads = self.num_heads
         return (proj(x).view(s, heads, d // heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x, cu_seqlens, max_seqlen):
-        # x: [S, D] packed tokens in the model dtype
+        # x: [S, D] packed tokens in the model dtype (or Fp8Rows when the q/k/v GEMMs are FP8)
         s, d = x.shape
         q, k, v = self.qkv(x)
         out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=q.dtype, device=q.device)
@@ -92,6 +100,9 @@ class FusedQKVAttention(VitAttention):
         nn.Module.__init__(self)
         self.num_heads, self.backend = like.num_heads, like.backend
         self.qkv_proj, self.out_proj = qkv_proj, out_proj
+
+    def reads_fp8(self) -> bool:
+        return takes_fp8(self.qkv_proj)
 
     def qkv(self, x: torch.Tensor):
         # views with unit stride on the head dim; every backend accepts the other strides
@@ -113,8 +124,9 @@ class VitLayer(nn.Module):
     def forward(self, x, delta, cu_seqlens, max_seqlen):
         """Pre-norm block on the residual stream x + delta (delta None on the first block); each
         residual add is fused with the norm after it. Returns the new (x, delta)."""
-        x, h = add_norm(x, delta, *norm_args(self.layer_norm1))
-        x, h = add_norm(self.self_attn(h, cu_seqlens, max_seqlen), x, *norm_args(self.layer_norm2))
+        x, h = add_norm(x, delta, *norm_args(self.layer_norm1), fp8=self.self_attn.reads_fp8())
+        attn = self.self_attn(h, cu_seqlens, max_seqlen)
+        x, h = add_norm(attn, x, *norm_args(self.layer_norm2), fp8=self.mlp.reads_fp8())
         return x, self.mlp(h)
 
 

@@ -254,3 +254,63 @@ def test_fp8_is_refused_on_gpus_older_than_ada_and_outside_bfloat16(monkeypatch)
     with pytest.raises(ConfigError, match=r"quantization 'fp8' runs with dtype bfloat16 only .*float16"):
         check_quantization("fp8", cuda, torch.float16)
     assert check_quantization(None, torch.device("cpu"), torch.float32) is None
+
+
+# -- producers that write FP8 rows themselves (the norm before qkv / fc1, the MLP activation before fc2) --
+def norm_reference(s: torch.Tensor, weight, bias, eps: float, rms: bool) -> torch.Tensor:
+    if rms:
+        return weight.float() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps))
+    return torch.nn.functional.layer_norm(s, (s.shape[-1],), weight.float(), bias.float(), eps)
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_add_norm_writes_fp8_rows_of_the_float32_norm(rms):
+    from encoder.kernels.elementwise import add_norm
+    from encoder.kernels.fp8 import Fp8Rows
+
+    gen = torch.Generator().manual_seed(4)
+    x, r = torch.randn(9, 48, generator=gen) * 3, torch.randn(9, 48, generator=gen).to(torch.bfloat16)
+    weight = (torch.rand(48, generator=gen) + 0.5).to(torch.bfloat16)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    total, rows = add_norm(x, r, weight, bias, 1e-6, rms=rms, fp8=True)
+    assert isinstance(rows, Fp8Rows) and rows.q.dtype == FP8_DTYPE and rows.scale.shape == (9, 1)
+    torch.testing.assert_close(total, x + r.float())  # the float32 stream is unchanged by fp8
+    want = norm_reference(total, weight, bias, 1e-6, rms)
+    torch.testing.assert_close(rows.scale, want.abs().amax(1, keepdim=True) / FP8_MAX)
+    err = (dequantize(*rows) - want).abs()
+    assert (err <= element_bound(want, rows.scale)).all()
+
+
+@pytest.mark.parametrize("act", ["silu_mul", "quick_gelu", "gelu_tanh"])
+def test_activations_write_fp8_rows_of_the_float32_activation(act):
+    from encoder.kernels import elementwise
+
+    gen = torch.Generator().manual_seed(5)
+    h = (torch.randn(7, 64, generator=gen) * 4).to(torch.bfloat16)
+    fn = getattr(elementwise, act)
+    want16 = fn(h)
+    rows = fn(h, fp8=True)
+    hf = h.float()
+    if act == "silu_mul":
+        want = torch.nn.functional.silu(hf[:, :32]) * hf[:, 32:]
+    elif act == "quick_gelu":
+        want = hf * torch.sigmoid(1.702 * hf)
+    else:
+        want = torch.nn.functional.gelu(hf, approximate="tanh")
+    assert want16.dtype == torch.bfloat16 and want16.shape == want.shape == rows.q.shape
+    torch.testing.assert_close(want16.float(), want, rtol=1e-2, atol=1e-2)
+    err = (dequantize(*rows) - want).abs()
+    assert (err <= element_bound(want, rows.scale)).all()
+    assert (err > 0).any()  # quantised, not passed through
+
+
+def test_fp8_linear_takes_rows_its_producer_quantised_as_it_quantises_a_tensor():
+    from encoder.kernels.fp8 import Fp8Rows
+
+    torch.manual_seed(6)
+    layer = Fp8Linear.from_linear(nn.Linear(32, 24).to(torch.bfloat16))
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    q, scale = quantize_rows(x)
+    from_rows = layer(Fp8Rows(q, scale))
+    assert from_rows.dtype == torch.bfloat16 and from_rows.shape == (5, 24)
+    torch.testing.assert_close(from_rows, layer(x), rtol=0, atol=0)

@@ -94,3 +94,62 @@ def test_graph_replay_equals_eager_fp8(name):
             assert a.shape == b.shape and torch.isfinite(a).all()
             assert rel_err(a, b) <= 1e-2, (case, rel_err(a, b))
     assert sum(graph.stats()["replays"].values()) >= 30
+
+
+# -- the Triton kernels that write FP8 rows, against their torch references (same inputs) ---------------
+E4M3_STEP = 1 / 8  # one e4m3 step, relative: the kernels and the references may round a tie differently
+
+
+def assert_rows_close(got, want_values: torch.Tensor):
+    """`got` (Fp8Rows) quantises `want_values` (float32) as the reference does: the same per-row scales, and
+    every value within one e4m3 step of the reference's (division and rounding order may differ by an ulp)."""
+    from encoder.kernels.fp8 import rows_reference
+
+    ref = rows_reference(want_values.cpu())
+    torch.testing.assert_close(got.scale.cpu(), ref.scale, rtol=1e-6, atol=0)
+    a, b = got.q.float().cpu(), ref.q.float()
+    assert ((a - b).abs() <= E4M3_STEP * b.abs() + 2**-9).all()
+    assert (a == b).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("cols", [1280, 1152, 3456, 4352])
+def test_quantize_rows_kernel_matches_the_reference(cols):
+    from encoder.kernels.fp8 import quantize_rows
+
+    x = (torch.randn(513, cols, device="cuda") * torch.logspace(-3, 2, 513, device="cuda")[:, None]).bfloat16()
+    got = quantize_rows(x)
+    assert got.q.dtype == torch.float8_e4m3fn and got.scale.shape == (513, 1)
+    assert_rows_close(got, x.float())
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_add_norm_fp8_kernel_matches_the_reference(rms):
+    from encoder.kernels.elementwise import add_norm
+
+    torch.manual_seed(1)
+    x, r = torch.randn(300, 1280, device="cuda"), torch.randn(300, 1280, device="cuda").bfloat16()
+    w, b = torch.rand(1280, device="cuda").bfloat16() + 0.5, torch.randn(1280, device="cuda").bfloat16()
+    total, rows = add_norm(x, r, w, b, 1e-6, rms=rms, fp8=True)
+    _, want = add_norm(x.cpu(), r.cpu(), w.cpu(), b.cpu(), 1e-6, rms=rms)  # the bf16 reference, for its values
+    s = x.cpu() + r.cpu().float()
+    ref = (
+        w.cpu().float() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+        if rms
+        else torch.nn.functional.layer_norm(s, (1280,), w.cpu().float(), b.cpu().float(), 1e-6)
+    )
+    torch.testing.assert_close(total.cpu(), s)
+    assert rel_err(want.float(), ref) < 1e-2
+    assert_rows_close(rows, ref)
+
+
+@pytest.mark.parametrize("act", ["silu_mul", "quick_gelu", "gelu_tanh"])
+def test_activation_fp8_kernels_match_the_reference(act):
+    from encoder.kernels import elementwise
+
+    torch.manual_seed(2)
+    h = (torch.randn(257, 2 * 3456 if act == "silu_mul" else 4352, device="cuda") * 3).bfloat16()
+    fn = getattr(elementwise, act)
+    rows, plain = fn(h, fp8=True), fn(h)
+    want = fn(h.cpu().float())  # the float32 reference on the CPU
+    assert rel_err(plain.float().cpu(), want) < 1e-2
+    assert_rows_close(rows, want)
