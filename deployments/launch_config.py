@@ -9,7 +9,7 @@ an API key in a `runtime_env`) would be worse than an error. Applied:
 * `proxy_location`: `EveryNode` or `HeadOnly`;
 * `logging_config`: Serve's controller and proxies (its `log_level` is `--serve-log-level`'s default);
 * of the one application: `name` (`--name`), `args` (the `AppArgs` fields; a KEY=VALUE given to the launcher
-  replaces the file's key of that name), `import_path` when it is this package's application
+  replaces the file's key of that name, flat or under its group), `import_path` when it is this package's application
   (`deployments:build_app`), `route_prefix` when it is `/`.
 
 Refused, with one line naming the file and the field (exit status 2): every other field with a value (among them an
@@ -105,12 +105,25 @@ def resolve(ns: argparse.Namespace) -> LaunchSettings:
         host=host,
         port=port,
         name=first(ns.name, file.name, "default"),
-        values={**file.args, **pairs},
+        values=merge_args(file.args, pairs),
         serve_log_level=level,
         http_options={**file.http_options, "host": host, "port": port},
         logging_config={**file.logging_config, "log_level": level},
         proxy_location=file.proxy_location,
     )
+
+
+def merge_args(file_args: dict[str, Any], pairs: dict[str, str]) -> dict[str, Any]:
+    """The file's args with each KEY=VALUE pair replacing its key, flat or under its group's name in the file
+    (`batching: {max_batch_size: 8}` and `max_batch_size=4`: 4, not AppArgs' "given both flat and under")."""
+    from deployments.config import GROUPS
+
+    out = {}
+    for key, value in file_args.items():
+        if key in GROUPS and key not in pairs and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k not in pairs}
+        out[key] = value
+    return out | pairs
 
 
 def first(*values):

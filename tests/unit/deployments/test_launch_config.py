@@ -63,6 +63,16 @@ def test_flags_and_key_values_override_the_file():
     assert settings("model=tiny-clip", "--config", str(SMALL)).values["model"] == "tiny-clip"
 
 
+def test_a_pair_replaces_the_files_key_under_its_group_too(tmp_path):
+    from deployments.config import AppArgs
+
+    app = APP | {"args": {"model": "tiny", "batching": {"max_batch_size": 8, "batcher": "serve"}}}
+    s = settings("--config", write(tmp_path, {"applications": [app]}), "max_batch_size=4")
+    assert s.values == {"model": "tiny", "batching": {"batcher": "serve"}, "max_batch_size": "4"}
+    args = AppArgs.model_validate(s.values)
+    assert (args.max_batch_size, args.batcher) == (4, "serve")
+
+
 def test_without_a_file_or_what_it_leaves_out_the_defaults_apply(tmp_path):
     default = settings()
     assert (default.host, default.port, default.name, default.values) == ("127.0.0.1", 8000, "default", {})
