@@ -1,4 +1,5 @@
-"""Run the service in the foreground: `python -m deployments [--port 8000] [--host 127.0.0.1] [key=value ...]`.
+"""Run the service in the foreground: `python -m deployments [--port 8000] [--host 127.0.0.1] [key=value ...]`,
+or from a Serve config file: `python -m deployments --config deployments/serve_config.yaml [key=value ...]`.
 
 What `serve run deployments:build_app key=value ...` does, plus what it cannot: the HTTP port and host are
 options (an import path given to `serve run` always gets port 8000), a taken port is refused before anything
@@ -16,6 +17,13 @@ put in its environment before `ray.init`; a variable the user exported wins; `--
 Serve's default path). With an address it joins that cluster, whose request path was chosen when its Ray
 started, and the ready line says which it is. Joining needs `RAY_AUTH_MODE=token` to authenticate with the
 token in ~/.ray/auth_token, as `ray start` clusters require in Ray 2.60.
+
+`--config FILE` reads a Serve config (the YAML of `serve run FILE`, validated with Serve's schema), quietly where
+`serve run FILE` is not: its `http_options` host and port, its one application's name and args, `proxy_location`,
+the timeouts of `http_options` and `logging_config` (Serve's controller and proxies). The flags given here (--host,
+--port, --name, --serve-log-level) and KEY=VALUE pairs override what the file says. Any other field with a value
+(`deployments:` overrides, `runtime_env`, an import path other than deployments:build_app, ...) is refused with one
+`error:` line naming the file and the field, exit 2, rather than ignored (`deployments/launch_config.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import signal
 import sys
 import threading
 
+from deployments.launch_config import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SERVE_LOG_LEVEL, resolve
 from deployments.preflight import USAGE_EXIT, AppConfigError, check_port_free, ray_address
 
 
@@ -38,17 +47,6 @@ def _port(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is not in 1-65535")
     return port
-
-
-def key_values(items: list[str]) -> dict[str, str]:
-    """`["model=tiny", "num_replicas=2"]` -> a dict of strings (AppArgs coerces them, as for `serve run`)."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise AppConfigError(f"application arguments are key=value, got {item!r}")
-        out[key] = value
-    return out
 
 
 def cluster_environ() -> dict[str, str]:
@@ -69,18 +67,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("args", nargs="*", metavar="KEY=VALUE", help="AppArgs fields, e.g. model=tiny num_replicas=2")
-    p.add_argument("--host", default="127.0.0.1", help="address the HTTP proxy listens on (0.0.0.0: every one)")
-    p.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
+    # default None: not given, so the --config file's value (else the default) applies (launch_config.resolve)
+    p.add_argument(
+        "args", nargs="*", metavar="KEY=VALUE", help="AppArgs fields, e.g. model=tiny num_replicas=2 (over --config's)"
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a Serve config YAML (as for serve run FILE): its http_options host and port and its one application's "
+        "name and args; the flags and KEY=VALUE pairs given here override the file; fields the launcher cannot "
+        "apply (deployments overrides, runtime_env, ...) are refused, exit 2",
+    )
+    p.add_argument(
+        "--host",
+        help=f"address the HTTP proxy listens on (0.0.0.0: every one; default: --config's, else {DEFAULT_HOST})",
+    )
+    p.add_argument("--port", type=_port, help=f"HTTP port (default: --config's, else {DEFAULT_PORT})")
     p.add_argument(
         "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a Ray instance of our own)"
     )
-    p.add_argument("--name", default="default", help="application name (serve.get_app_handle(name))")
+    p.add_argument("--name", help="application name (serve.get_app_handle(name); default: --config's, else default)")
     p.add_argument(
         "--serve-log-level",
-        default="WARNING",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log level of Serve's controller and HTTP proxies (default WARNING; INFO reports each deployment step)",
+        help=f"log level of Serve's controller and HTTP proxies (default: --config's logging_config, else "
+        f"{DEFAULT_SERVE_LOG_LEVEL}; INFO reports each deployment step)",
     )
     p.add_argument(
         "--request-path",
@@ -125,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.shutdown import drain, drain_timeout
 
     try:
-        values = key_values(ns.args)
-        app = build_app(values)  # checks the arguments and the model, before Ray starts
-        app_args = AppArgs.model_validate(values)
+        # read after the request path's flags are set: Serve's schema imports Serve, which reads them
+        s = resolve(ns)  # the flags given, then the --config file, then the defaults
+        app = build_app(s.values)  # checks the arguments and the model, before Ray starts
+        app_args = AppArgs.model_validate(s.values)
         if address == "local":  # on a cluster the proxies listen on its nodes, not necessarily here
-            check_port_free(ns.host, ns.port)
+            check_port_free(s.host, s.port)
     except AppConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return USAGE_EXIT
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_token_auth_notice,
     )
 
-    if ns.serve_log_level in ("WARNING", "ERROR"):  # the controller's INFO lines logged before its level is set
+    if s.quiet_serve:  # the controller's INFO lines logged before its level is set
         quiet_serve_system_info()
     if address == "local":  # one node: no HAProxy elsewhere to shut out
         quiet_single_node_warning()
@@ -162,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_serve_shutdown_notice()  # and its "controller failed" line at every stop
     quiet_serve_noise()  # and serve.run's "new http_options will not be applied" after our serve.start applied them
     no_driver_stack_dump()  # a SIGTERM while Ray starts: no absl stack dump and abort (exit 134)
-    if address == "local" and is_loopback(ns.host):  # nothing of our own Ray listens beyond this machine either
+    if address == "local" and is_loopback(s.host):  # nothing of our own Ray listens beyond this machine either
         loopback_only_node()
     try:
         ray.init(address=address, namespace="serve")
@@ -174,19 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         # Serve's system actors log a dozen INFO lines per start and stop (endpoints, replicas added and stopped, a
         # router object's repr) around the app's own summary; the deployments keep their own logging_config
         if not stop.is_set():
-            serve.start(
-                http_options={"host": ns.host, "port": ns.port}, logging_config={"log_level": ns.serve_log_level}
-            )
+            serve.start(http_options=s.http_options, logging_config=s.logging_config, proxy_location=s.proxy_location)
             started = True
         if not stop.is_set():
-            serve.run(app, name=ns.name, route_prefix="/", blocking=False)
+            serve.run(app, name=s.name, route_prefix="/", blocking=False)
             deployed = True
-            host = "127.0.0.1" if ns.host in ("0.0.0.0", "::") else ns.host
+            host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
             if address == "local":  # chosen here: the fast one unless asked otherwise
                 path = describe_request_path(hint="drop --request-path default for the fast one")
             else:
                 path = describe_request_path(cluster_environ())
-            ready = f"vision service ready at http://{host}:{ns.port}/v1, {path} (Ctrl-C to stop)"
+            ready = f"vision service ready at http://{host}:{s.port}/v1, {path} (Ctrl-C to stop)"
             print(ready, file=sys.stderr, flush=True)
         stop.wait()
         if deployed:  # Serve's shutdown drops what is in flight: finish the admitted requests first

@@ -52,6 +52,7 @@ RAY_OF_ITS_OWN_MODULES = frozenset({
     "tests/integration/batch/test_batch_reaper.py",
     "tests/integration/cluster/test_multinode.py",
     "tests/integration/serve/test_default_path_limits.py",
+    "tests/integration/serve/test_launcher_config.py",
     "tests/integration/serve/test_launcher_request_path.py",
     "tests/integration/serve/test_proxy_limits.py",
     "tests/integration/serve/test_serve_fast_path.py",

@@ -11,9 +11,9 @@ import click
 import pytest
 
 from deployments import build_app
-from deployments.__main__ import key_values
 from deployments.config import AppArgs
 from deployments.ingress.openai_api import parse_embedding_request
+from deployments.launch_config import key_values
 from deployments.preflight import USAGE_EXIT, AppConfigError, check_model, check_port_free
 from encoder.errors import ConfigError
 from tests.hf_models import write_checkpoint
