@@ -47,6 +47,12 @@ budget() {  # budget WANT: WANT seconds, or what is left of BUDGET_S if less
   (( left < 1 )) && left=1  # never 0: `timeout 0` would mean no limit
   (( left < $1 )) && echo "$left" || echo "$1"
 }
+# the Ray pack has no dashboard front end (client/build): every Ray start then waits 60 s for its dashboard to fail
+# (FrontendNotFoundError), which a pip-installed Ray never does; an empty front end lets the dashboard start
+ray_dir=$(python3 -c "import os, ray; print(os.path.dirname(ray.__file__))" 2>/dev/null)
+if [ -n "$ray_dir" ] && [ ! -d "$ray_dir/dashboard/client/build" ]; then
+  mkdir -p "$ray_dir/dashboard/client/build/static" && echo "<!doctype html>" > "$ray_dir/dashboard/client/build/index.html"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt" 2>&1
 python3 -c "import pydantic" 2>> "$OUT/gpu.txt" || echo "no pydantic: the encoder steps will fail (carry its wheel in .device/)" >> "$OUT/gpu.txt"
