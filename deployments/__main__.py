@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         describe_request_path,
         is_loopback,
         loopback_only_node,
+        loopback_runtime_env,
         no_driver_stack_dump,
         quiet_serve_noise,
         quiet_serve_shutdown_notice,
@@ -174,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     quiet_serve_shutdown_notice()  # and its "controller failed" line at every stop
     quiet_serve_noise()  # and serve.run's "new http_options will not be applied" after our serve.start applied them
     no_driver_stack_dump()  # a SIGTERM while Ray starts: no absl stack dump and abort (exit 134)
-    if address == "local" and is_loopback(s.host):  # nothing of our own Ray listens beyond this machine either
+    loopback = address == "local" and is_loopback(s.host)
+    if loopback:  # nothing of our own Ray listens beyond this machine either
         loopback_only_node()
     try:
-        ray.init(address=address, namespace="serve")
+        runtime_env = loopback_runtime_env() if loopback else None  # HAProxy's side ports and replicas' gRPC too
+        ray.init(address=address, namespace="serve", runtime_env=runtime_env)
     except KeyboardInterrupt:
         return 0
     handle_signals()

@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these thirteen have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these fourteen have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -73,6 +73,12 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   node's address and session name, no authentication) listened on 0.0.0.0, and its gRPC servers on ::, even with
   `--host 127.0.0.1`. Tried instead: `ray.init(_node_ip_address="127.0.0.1")` (also private; Ray replaces a
   loopback address by the machine's) and `_metrics_export_port` (a port only, no address).
+
+* `bind_serve_to_loopback()`: with it, as Ray's `worker_process_setup_hook` in every worker of that instance
+  (`loopback_runtime_env`), the `bind` lines of `ray.serve._private.haproxy.HAPROXY_CONFIG_TEMPLATE` for HAProxy's
+  stats page and Prometheus frontend, and `ray.serve._private.replica.add_port_to_grpc_server` for each replica's
+  inter-deployment gRPC server (`"[::]:0"`), go to 127.0.0.1: Ray binds these on every interface with no address
+  setting (`RAY_SERVE_HAPROXY_STATS_PORT` / `_METRICS_PORT` choose ports only).
 
 * `sync_driver_handles()`: a wrapper around `ray.serve._private.handle_options.InitHandleOptions.create` that
   gives a handle first used from plain Python (no running event loop: Serve initialises a handle at its first
@@ -269,6 +275,17 @@ def _missing() -> list[str]:
         callable(getattr(protocol, m, None)) for m in ("on_headers_complete", "on_response_complete", "data_received")
     ):
         missing.append("uvicorn.protocols.http.httptools_impl.HttpToolsProtocol")
+    # the loopback binds (`bind_serve_to_loopback`): the template's lines, and the replica's gRPC port by name
+    from ray.serve._private import haproxy, replica
+
+    template = getattr(haproxy, "HAPROXY_CONFIG_TEMPLATE", "")
+    # (in a worker process the hook already ran in, the lines are the rebound ones)
+    if not isinstance(template, str) or not all(a in template or b in template for a, b in HAPROXY_ANY_BINDS):
+        missing.append("ray.serve._private.haproxy.HAPROXY_CONFIG_TEMPLATE (bind *:stats_port, bind :metrics_port)")
+    if not callable(getattr(replica, "add_port_to_grpc_server", None)) or REPLICA_GRPC_ANY not in inspect.getsource(
+        replica
+    ):
+        missing.append('ray.serve._private.replica.add_port_to_grpc_server(server, "[::]:0")')
     return missing
 
 
@@ -767,6 +784,47 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# Where Ray 2.60 binds every interface with no setting to choose: HAProxy's stats page and Prometheus frontend
+# (`bind *:PORT` and `bind :PORT` in its config template) and each replica's inter-deployment gRPC server
+# (`add_port_to_grpc_server(server, "[::]:0")` in replica.py). `bind_serve_to_loopback` rebinds them to 127.0.0.1.
+HAPROXY_ANY_BINDS = (
+    ("bind *:{{ config.stats_port }}", "bind 127.0.0.1:{{ config.stats_port }}"),
+    ("bind :{{ config.metrics_port }}", "bind 127.0.0.1:{{ config.metrics_port }}"),
+)
+REPLICA_GRPC_ANY = "[::]:0"
+LOOPBACK_BINDS_HOOK = "deployments.ray_compat.bind_serve_to_loopback"
+
+
+def bind_serve_to_loopback() -> None:
+    """Ray's `worker_process_setup_hook` for the launcher's loopback-only instance (`loopback_runtime_env`): in each
+    of its worker processes (the Serve controller, the HAProxy manager, the replicas) HAProxy's stats and metrics
+    frontends and the replica's gRPC server listen on 127.0.0.1 instead of every interface. Ray offers no address
+    setting for them (Ray 2.60: `haproxy_templates.py`, `replica.py`); on a one-node instance on 127.0.0.1 every
+    peer that connects to them is on this machine. Tried instead: `RAY_SERVE_HAPROXY_STATS_PORT` /
+    `RAY_SERVE_HAPROXY_METRICS_PORT` (ports only) and the proxy callback (`PROXY_CALLBACK_ENV`, read by the
+    Python proxy, which the fast path does not run)."""
+    from ray.serve._private import haproxy, replica
+
+    template = haproxy.HAPROXY_CONFIG_TEMPLATE
+    for anywhere, loopback in HAPROXY_ANY_BINDS:
+        template = template.replace(anywhere, loopback)
+    haproxy.HAPROXY_CONFIG_TEMPLATE = template
+    add_port = replica.add_port_to_grpc_server
+    if getattr(add_port, "loopback", False):  # a second call in the same process
+        return
+
+    def add_loopback_port(server, address: str) -> int:
+        return add_port(server, "127.0.0.1:0" if address == REPLICA_GRPC_ANY else address)
+
+    add_loopback_port.loopback = True
+    replica.add_port_to_grpc_server = add_loopback_port
+
+
+def loopback_runtime_env() -> dict:
+    """The `runtime_env` for `ray.init` of a loopback-only instance: `bind_serve_to_loopback` in every worker."""
+    return {"worker_process_setup_hook": LOOPBACK_BINDS_HOOK}
 
 
 def loopback_only_node() -> None:

@@ -377,3 +377,34 @@ def test_the_bounded_protocol_refuses_big_heads_times_out_idle_ones_and_makes_ro
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_loopback_binds_rewrite_haproxy_side_ports_and_the_replica_grpc_port(monkeypatch):
+    from ray.serve._private import haproxy, replica
+
+    # restored after the test: the hook changes Ray's modules in the process it runs in
+    monkeypatch.setattr(haproxy, "HAPROXY_CONFIG_TEMPLATE", haproxy.HAPROXY_CONFIG_TEMPLATE)
+    seen = []
+    monkeypatch.setattr(replica, "add_port_to_grpc_server", lambda server, address: seen.append(address) or 4321)
+    assert "bind *:{{ config.stats_port }}" in haproxy.HAPROXY_CONFIG_TEMPLATE  # Ray's own: every interface
+    ray_compat.bind_serve_to_loopback()
+    ray_compat.bind_serve_to_loopback()  # twice in one process: the port rebound once
+    template = haproxy.HAPROXY_CONFIG_TEMPLATE
+    assert (
+        "bind 127.0.0.1:{{ config.stats_port }}" in template and "bind 127.0.0.1:{{ config.metrics_port }}" in template
+    )
+    assert "bind *:" not in template and "bind :" not in template
+    assert replica.add_port_to_grpc_server(object(), "[::]:0") == 4321
+    assert replica.add_port_to_grpc_server(object(), "10.0.0.1:5") == 4321
+    assert seen == ["127.0.0.1:0", "10.0.0.1:5"]
+    assert ray_compat._missing() == []  # the check accepts the rebound template (a worker the hook ran in)
+    assert ray_compat.loopback_runtime_env() == {
+        "worker_process_setup_hook": "deployments.ray_compat.bind_serve_to_loopback"
+    }
+
+
+def test_a_template_without_the_bind_lines_is_named_missing(monkeypatch):
+    from ray.serve._private import haproxy
+
+    monkeypatch.setattr(haproxy, "HAPROXY_CONFIG_TEMPLATE", "listen stats\n  bind 0.0.0.0:{{ config.stats_port }}\n")
+    assert any("HAPROXY_CONFIG_TEMPLATE" in m for m in ray_compat._missing())
