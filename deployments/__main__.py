@@ -159,11 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         loopback_only_node,
         loopback_runtime_env,
         no_driver_stack_dump,
+        quiet_haproxy_stop_race,
         quiet_serve_noise,
         quiet_serve_shutdown_notice,
         quiet_serve_system_info,
         quiet_single_node_warning,
         quiet_token_auth_notice,
+        serve_stopping,
     )
 
     if s.quiet_serve:  # the controller's INFO lines logged before its level is set
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_token_auth_notice()  # token authentication stays on; Ray's notice of it at every start goes
     quiet_serve_shutdown_notice()  # and its "controller failed" line at every stop
+    quiet_haproxy_stop_race()  # and the HAProxy manager's stats traceback when a report races the stop
     quiet_serve_noise()  # and serve.run's "new http_options will not be applied" after our serve.start applied them
     no_driver_stack_dump()  # a SIGTERM while Ray starts: no absl stack dump and abort (exit 134)
     loopback = address == "local" and is_loopback(s.host)
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             ready = f"vision service ready at http://{host}:{s.port}/v1, {path} (Ctrl-C to stop)"
             print(ready, file=sys.stderr, flush=True)
         stop.wait()
+        serve_stopping()  # the HAProxy manager's stats race of the stop is not printed (quiet_haproxy_stop_race)
         if deployed:  # Serve's shutdown drops what is in flight: finish the admitted requests first
             drain(drain_timeout(app_args.request_timeout_s, app_args.drain_grace_s))
     except KeyboardInterrupt:

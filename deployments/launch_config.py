@@ -96,6 +96,8 @@ def key_values(items: list[str]) -> dict[str, str]:
 def resolve(ns: argparse.Namespace) -> LaunchSettings:
     """The flags given (None: not given), then the --config file's settings, then the defaults; KEY=VALUE pairs
     over the file's args. Raises AppConfigError (one line) for a bad pair or a file the launcher cannot run."""
+    from deployments.config import DEFAULT_APP_NAME
+
     pairs = key_values(ns.args)
     file = read_serve_file(ns.config) if ns.config else ServeFile(path="")
     host = first(ns.host, file.host, DEFAULT_HOST)
@@ -104,7 +106,7 @@ def resolve(ns: argparse.Namespace) -> LaunchSettings:
     return LaunchSettings(
         host=host,
         port=port,
-        name=first(ns.name, file.name, "default"),
+        name=first(ns.name, file.name, DEFAULT_APP_NAME),
         values=merge_args(file.args, pairs),
         serve_log_level=level,
         http_options={**file.http_options, "host": host, "port": port},

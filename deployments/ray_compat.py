@@ -117,6 +117,7 @@ import importlib.util
 import inspect
 import logging
 import os
+import threading
 import uuid
 from functools import cache
 from typing import TYPE_CHECKING
@@ -479,6 +480,41 @@ def quiet_single_node_warning() -> None:
     """Drop the controller's "HAProxy on other nodes" warning from what this driver prints: for the launcher's own
     Ray, which has one node. Idempotent; every other line passes."""
     _print_only("single_node_warning", without_single_node_warning)
+
+
+# Ray 2.60's HAProxy manager reports HAProxy's stats every few seconds; when that report falls between HAProxy's
+# stop and the manager's own, it logs these two errors with a traceback (a race of the stop, nothing lost)
+HAPROXY_STOP_RACE = ("Failed to get HAProxy stats", "Unexpected error reporting HAProxy node metrics")
+_serve_stopping = threading.Event()
+
+
+def serve_stopping() -> None:
+    """Tell this driver's log filter (`quiet_haproxy_stop_race`) that the service is stopping."""
+    _serve_stopping.set()
+
+
+def without_haproxy_stop_race(data: dict) -> dict | None:
+    """Once `serve_stopping()` was called, a batch of log lines without the HAProxy manager's records (a record:
+    a level line and the lines that continue it, its traceback) that report HAProxy's stats socket gone
+    (`HAPROXY_STOP_RACE`); before that, and for any other actor, the batch unchanged."""
+    if not _serve_stopping.is_set() or data.get("actor_name") != "HAProxyManager":
+        return data
+    lines = data.get("lines") or []
+    kept, dropping = [], False
+    for line in lines:
+        if line.startswith(LEVELS):
+            dropping = any(marker in line for marker in HAPROXY_STOP_RACE)
+        if not dropping:
+            kept.append(line)
+    if not kept:
+        return None
+    return data if len(kept) == len(lines) else {**data, "lines": kept}
+
+
+def quiet_haproxy_stop_race() -> None:
+    """Drop the HAProxy manager's stats errors of the stop from what this driver prints (`without_haproxy_stop_race`).
+    Idempotent; every other line passes."""
+    _print_only("haproxy_stop_race", without_haproxy_stop_race)
 
 
 def quiet_serve_system_info() -> None:

@@ -62,9 +62,10 @@ def test_one_application_name_and_the_committed_config_binds_this_machine_only()
 
     from deployments.__main__ import parse_args
     from deployments.config import DEFAULT_APP_NAME
+    from deployments.launch_config import resolve
 
     assert DEFAULT_APP_NAME == "default"  # the name Serve gives an application run without one (`serve run ...:app`)
-    assert parse_args([]).name == DEFAULT_APP_NAME
+    assert resolve(parse_args([])).name == DEFAULT_APP_NAME
     for name in ("serve_config.yaml", "serve_production.yaml"):
         config = yaml.safe_load((ROOT / "deployments" / name).read_text())
         assert [app["name"] for app in config["applications"]] == [DEFAULT_APP_NAME], name

@@ -408,3 +408,21 @@ def test_a_template_without_the_bind_lines_is_named_missing(monkeypatch):
 
     monkeypatch.setattr(haproxy, "HAPROXY_CONFIG_TEMPLATE", "listen stats\n  bind 0.0.0.0:{{ config.stats_port }}\n")
     assert any("HAPROXY_CONFIG_TEMPLATE" in m for m in ray_compat._missing())
+
+
+def test_the_haproxy_stats_race_of_the_stop_goes_only_once_stopping(monkeypatch):
+    monkeypatch.setattr(ray_compat, "_serve_stopping", __import__("threading").Event())
+    race = [
+        "ERROR 2026-12-06 proxy 127.0.0.1 -- Failed to get HAProxy stats: Failed to send socket command 'show stat'",
+        "ERROR 2026-12-06 proxy 127.0.0.1 -- Unexpected error reporting HAProxy node metrics.",
+        "Traceback (most recent call last):",
+        "ConnectionRefusedError: [Errno 111] Connection refused",
+    ]
+    other = "WARNING 2026-12-06 proxy 127.0.0.1 -- something else"
+    data = {"lines": [*race, other], "actor_name": "HAProxyManager"}
+    assert ray_compat.without_haproxy_stop_race(data) == data  # while serving: an error worth seeing
+    ray_compat.serve_stopping()
+    assert ray_compat.without_haproxy_stop_race(data)["lines"] == [other]
+    assert ray_compat.without_haproxy_stop_race({**data, "lines": race}) is None
+    elsewhere = {**data, "actor_name": "ServeController"}
+    assert ray_compat.without_haproxy_stop_race(elsewhere) == elsewhere
