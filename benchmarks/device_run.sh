@@ -20,6 +20,13 @@
 #   ckpt     export the qwen2.5-vl-7b preset to /tmp/ckpt-7b (replicas then load it instead of drawing weights)
 #   acceptance  benchmarks/service.py as issue 4 measures it: HAProxy/throughput mode, 1 pipelined replica
 #            per GPU, then the router comparison (2 replicas x 0.5 GPU)
+#   fp8      issue 45.3: the FP8 GPU tests, then bf16, fp8 and fp8 with fast accumulation graph throughput for
+#            Qwen2.5-VL-7B and Qwen3-VL-8B at 32x224 and 8x896 (benchmarks/engine.py, no HF)
+#   fp8profile  kernel profiles of the FP8 and bf16 Qwen3-VL-8B forwards at 32 x 224² (benchmarks/profile_engine.py)
+#   fp8quality  benchmarks/fp8_quality.py (photographs from $PHOTOS, a folder carried along: the GPU box has no
+#            scikit-image), then the same with fast accumulation for Qwen2.5-VL-7B
+#   cold     issue 45.2: benchmarks/cold_start.py, 4 starts of README command 1 from a local 7B checkpoint
+#            (written first from the preset); needs the Ray pack
 #   launcher issue 45.1: README command 1 as a newcomer runs it (python -m deployments, nothing exported) with the 7B
 #            preset, fast path with the engine phase beside, then --request-path default (needs the Ray pack)
 #   service  benchmarks/service.py, HAProxy/throughput mode, 2 replicas per GPU, router comparison
@@ -80,6 +87,25 @@ for s in $steps; do
               timeout $(budget 200) env RAY_AUTH_MODE=token python3 -m benchmarks.service --model qwen2.5-vl-7b \
                 --launcher default --client-procs 4 --duration 6 --skip engine --launcher-log "$OUT/launcher_default.log" \
                 > "$OUT/launcher_default.md" 2> "$OUT/launcher_default.err" ;;
+    fp8) timeout $(budget 200) python3 -m pytest -q -p no:cacheprovider tests/unit/encoder/models/test_fp8_gpu.py 2>&1 | tail -15 > "$OUT/fp8_tests.txt"
+         for m in qwen2.5-vl-7b qwen3-vl-8b; do
+           for q in "" "--quantization fp8" "--quantization fp8 --fp8-fast-accum"; do
+             timeout $(budget 100) python3 -m benchmarks.engine --model $m --backends auto --no-hf --workloads 32x224,8x896 $q \
+               >> "$OUT/fp8_engine.log" 2>&1
+           done
+         done
+         grep "^| ours graph (auto)" "$OUT/fp8_engine.log" > "$OUT/fp8_engine.md" ;;
+    fp8profile) for q in "--quantization fp8" ""; do
+                  timeout $(budget 60) python3 -m benchmarks.profile_engine --model qwen3-vl-8b --images 32 --rows 25 $q \
+                    >> "$OUT/fp8_profile.txt" 2>&1
+                done ;;
+    fp8quality) timeout $(budget 200) python3 -m benchmarks.fp8_quality ${PHOTOS:+--images "$PHOTOS"} \
+                  > "$OUT/fp8_quality.md" 2>&1
+                timeout $(budget 100) python3 -m benchmarks.fp8_quality --models qwen2.5-vl-7b --fast-accum \
+                  ${PHOTOS:+--images "$PHOTOS"} >> "$OUT/fp8_quality.md" 2>&1 ;;
+    cold) timeout $(budget 420) python3 -m benchmarks.cold_start --export qwen2.5-vl-7b --model /tmp/ckpt-7b --starts 4 \
+            --log-dir /tmp/cold --json "$OUT/cold.json" > "$OUT/cold.md" 2> "$OUT/cold.err"
+          tar -czf "$OUT/cold_logs.tgz" -C /tmp cold 2> /dev/null ;;
     profile) timeout $(budget 120) python3 -m benchmarks.profile_engine > "$OUT/profile.txt" 2>&1 ;;
     clip) timeout $(budget 150) python3 -m benchmarks.clip > "$OUT/clip.md" 2>&1 ;;
     batch) timeout $(budget 240) python3 -m benchmarks.batch --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \

@@ -121,6 +121,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write results here")
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--quantization", default=None, choices=["fp8"], help="our tower's block linears in fp8")
+    parser.add_argument("--fp8-fast-accum", action="store_true", help="fp8 GEMMs without float32 promotion")
     parser.add_argument("--sustain-s", type=float, default=2.0, help="seconds each sustained-peak GEMM loops (>= 2)")
     parser.add_argument(
         "--pad-compare", action="store_true",
@@ -136,6 +137,10 @@ def main() -> int:
     from encoder.attention import available_backends
 
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.fp8_fast_accum:
+        from encoder.models.fp8 import Fp8Linear
+
+        Fp8Linear.fast_accum = True
     base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16, quantization=args.quantization)
     cfg = base.config
     usable = [n for n, why in available_backends().items() if why is None]
@@ -149,6 +154,7 @@ def main() -> int:
         images, _ = WORKLOADS[wl]
         w = work[wl]
         impl += f", {args.quantization}" if args.quantization and impl.startswith("ours") else ""
+        impl += " fast-accum" if args.fp8_fast_accum and args.quantization and impl.startswith("ours") else ""
         tflops = w["total"] / ms / 1e9
         rows.append(dict(impl=impl, workload=wl, ms=ms, img_s=images / ms * 1e3, patch_s=w["patches"] / ms * 1e3,
                          mfu=w["linear"] / ms / 1e9 / peak, tflops=tflops, util_burst=tflops / peak,

@@ -81,10 +81,15 @@ def main() -> int:
     parser.add_argument("--images", default=None, help="a folder of photographs (default: scikit-image's)")
     parser.add_argument("--max-side", type=int, default=768, help="photographs shrunk to fit this side")
     parser.add_argument("--random", type=int, default=8, help="random-pixel images")
+    parser.add_argument("--fast-accum", action="store_true", help="fp8 GEMMs without float32 promotion")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not require_cuda("benchmarks/fp8_quality.py"):
         return 2
+    if args.fast_accum:
+        from encoder.models.fp8 import Fp8Linear
+
+        Fp8Linear.fast_accum = True
     photos, noise = photographs(args.images, args.max_side), random_images(args.random)
     rows = []
     for name in args.models.split(","):

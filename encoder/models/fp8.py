@@ -60,6 +60,11 @@ class Fp8Linear(nn.Module):
     stays the model dtype. Not an `nn.Linear` on purpose: code that reads `.weight` as a 16-bit matrix
     (the fused GELU epilogue, `fusion.pad_linear`) checks the type and leaves these alone."""
 
+    # Hopper's FP8 tensor cores accumulate in reduced precision unless the kernel promotes partial sums to float32
+    # (what `use_fast_accum=False` asks); the fast mode skips that. Off: its quality is not measured
+    # (`benchmarks/engine.py --fp8-fast-accum` and `benchmarks/fp8_quality.py --fast-accum` measure it).
+    fast_accum = False
+
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_dtype=torch.bfloat16):
         super().__init__()
         # weight: [N, K] float8_e4m3fn row-major; its .t() is the column-major [K, N] _scaled_mm wants
@@ -89,7 +94,13 @@ class Fp8Linear(nn.Module):
         out_dtype = self.out_dtype if isinstance(x, Fp8Rows) else x.dtype
         if xq.is_cuda:
             out = torch._scaled_mm(
-                xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, bias=self.bias, out_dtype=out_dtype
+                xq,
+                self.weight.t(),
+                scale_a=x_scale,
+                scale_b=self.weight_scale,
+                bias=self.bias,
+                out_dtype=out_dtype,
+                use_fast_accum=self.fast_accum,
             )
         else:  # the reference: what the GEMM computes, in float32 (tests; load refuses fp8 on the CPU)
             out = dequantize(xq, x_scale) @ dequantize(self.weight, self.weight_scale.t()).t()
