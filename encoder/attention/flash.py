@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+from pathlib import Path
 
 import torch
 
@@ -107,6 +109,24 @@ class FlashAttn3(_FlashVarlenBase):
     _loaded = None
 
 
+# FA4's persistent cache of compiled kernels (its own variables): on unless the user set them, in the user's cache
+# directory, so a restart skips the ~3 s per kernel configuration of the first start (docs/performance.md#start-up)
+FA4_CACHE_ENABLED, FA4_CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+
+
+def fa4_cache_dir() -> Path:
+    """Where FA4 keeps compiled kernels unless told otherwise: $XDG_CACHE_HOME (or ~/.cache)/vision-encoder/fa4."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "vision-encoder" / "fa4"
+
+
+def use_fa4_cache() -> None:
+    """Turn FA4's compiled-kernel cache on before flash_attn.cute is imported (it reads its variables then); a
+    value the user set wins (`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0` turns it off)."""
+    os.environ.setdefault(FA4_CACHE_ENABLED, "1")
+    os.environ.setdefault(FA4_CACHE_DIR, str(fa4_cache_dir()))
+
+
 class FlashAttn4(_FlashVarlenBase):
     """FlashAttention-4 (`flash-attn-4`, CuTe DSL; Hopper and Blackwell). Kernels compile at first use
     (~3 s per configuration: the warm-up before capture pays it). Its public `flash_attn_varlen_func`
@@ -122,6 +142,7 @@ class FlashAttn4(_FlashVarlenBase):
     @classmethod
     def _load(cls) -> tuple | str:
         if cls._loaded is None:
+            use_fa4_cache()
             try:
                 interface = importlib.import_module("flash_attn.cute.interface")
                 varlen = interface.flash_attn_varlen_func

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -297,3 +298,32 @@ def test_gpu_graph_replay_with_new_cu_seqlens(name):
         torch.cuda.synchronize()
         assert torch.equal(out[:real], eager[:real]), f"graph replay differs from eager for {split}"
         check(out, reference(q, k, v, cu), real, dtype, 1e-2)
+
+
+def test_fa4_compile_cache_is_on_in_the_user_cache_before_its_import_unless_set(monkeypatch, tmp_path):
+    """A restart reuses FA4's compiled kernels (its first start compiles ~3 s per configuration): the cache
+    variables are set before flash_attn.cute is imported, in $XDG_CACHE_HOME; a value the user set is kept."""
+    import importlib
+
+    from encoder.attention import flash
+
+    seen, real = {}, importlib.import_module
+
+    def fake_import(name, *args, **kwargs):
+        if name.startswith("flash_attn"):
+            seen[name] = (os.environ.get(flash.FA4_CACHE_ENABLED), os.environ.get(flash.FA4_CACHE_DIR))
+            raise ImportError("no flash-attn-4 here")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(flash.importlib, "import_module", fake_import)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for name in (flash.FA4_CACHE_ENABLED, flash.FA4_CACHE_DIR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(flash.FlashAttn4, "_loaded", None)
+    assert "not importable" in flash.FlashAttn4.unavailable_reason()
+    assert seen["flash_attn.cute.interface"] == ("1", str(tmp_path / "vision-encoder" / "fa4"))
+
+    monkeypatch.setenv(flash.FA4_CACHE_ENABLED, "0")  # the user's choice wins
+    monkeypatch.setattr(flash.FlashAttn4, "_loaded", None)
+    flash.FlashAttn4.unavailable_reason()
+    assert seen["flash_attn.cute.interface"][0] == "0"
