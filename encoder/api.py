@@ -439,11 +439,17 @@ def load(
     # per layer kind; "auto" (the default) picks per kind and graph shape (`encoder.attention.auto`)
     tower.set_backend(resolve_attention(attention, tower.attention_kinds, device, dtype, config.head_dim))
     # materialized with torch.empty of each shape, as `to_empty` does but without its `empty_like` of meta
-    # tensors, which imports sympy (0.9 s of CPU per process: every encoder replica start)
-    tower = tower._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+    # tensors, which imports sympy (0.9 s of CPU per process: every encoder replica start). A checkpoint's
+    # tensors are copied straight into the device's tensors in the final dtype (no float32 copy of the tower
+    # on the host first: seconds of a cold start); the random init is seeded on the CPU (the same weights
+    # on every device), then moved
     if path is not None:
+        tower = tower._apply(
+            lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        )
         load_weights(tower, path)
     else:
+        tower = tower._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
         init_random_weights(tower, seed)
     tower = tower.to(device=device, dtype=dtype).eval()
     quantize_tower(tower, quantization)  # after the weights and the cast: scales from the final bf16 weights

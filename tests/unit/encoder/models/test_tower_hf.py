@@ -189,3 +189,15 @@ def test_fullatt_indexes_past_depth_are_ignored_as_in_hf(tmp_path):
     pv = torch.randn(int(grid.prod(1).sum()), enc.config.patch_dim, generator=torch.Generator().manual_seed(4))
     ref = hf_tokens(tower, pv, grid)
     assert rel_err(enc.forward_packed(encoder.PatchBatch(pv, grid)), ref) <= 1e-5
+
+
+def test_a_checkpoint_loads_straight_into_the_target_dtype(checkpoint):
+    """The checkpoint path materialises the tower in the final dtype and copies the stored tensors in (no float32
+    copy first): in bfloat16 every weight equals the stored tensor rounded once, as a float32 load cast after."""
+    directory, _ = checkpoint
+    want = encoder.load(str(directory), device="cpu", dtype=torch.float32).model.to(torch.bfloat16).state_dict()
+    got = encoder.load(str(directory), device="cpu", dtype=torch.bfloat16).model.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype == want[name].dtype, name
+        assert torch.equal(tensor, want[name]), name
