@@ -6,6 +6,8 @@ re-validate the same dict in their constructors.
 
 from __future__ import annotations
 
+import glob
+import os
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, model_validator
@@ -74,6 +76,9 @@ class AppArgs(LimitArgs, IngressArgs, ReplicaArgs, BatchingArgs, BucketArgs, Mod
         return group.model_validate({name: getattr(self, name) for name in group.model_fields})
 
 
+NVIDIA_DEVICE_FILES = "/dev/nvidia[0-9]*"  # one per GPU, made by NVIDIA's driver (and passed into containers)
+
+
 def resolve_num_gpus(args: AppArgs) -> float:
     """GPUs per encoder replica: the explicit value, else 1 when the cluster (or this machine) has GPUs.
 
@@ -94,12 +99,25 @@ def resolve_num_gpus(args: AppArgs) -> float:
             return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     except Exception:  # noqa: BLE001 - no cluster info: fall back to the local check
         pass
+    return 1.0 if local_gpu_visible() else 0.0
+
+
+def local_gpu_visible() -> bool:
+    """Whether this machine has an NVIDIA GPU this process may use, decided without importing torch where the
+    driver's device files answer: the launcher runs this before Ray starts, and torch with CUDA's libraries plus
+    CUDA's initialisation cost seconds of a cold start there. `CUDA_VISIBLE_DEVICES` empty or -1 hides the GPUs;
+    /dev/nvidia0... say they exist; with neither (WSL, other systems) torch decides."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    if glob.glob(NVIDIA_DEVICE_FILES):
+        return True
     try:
         import torch
 
-        return 1.0 if torch.cuda.is_available() else 0.0
+        return torch.cuda.is_available()
     except Exception:  # noqa: BLE001
-        return 0.0
+        return False
 
 
 def resolve_device(args: AppArgs, num_gpus: float) -> str:

@@ -79,6 +79,31 @@ def test_gpu_and_device_decisions():
     assert resolve_num_gpus(AppArgs(num_gpus=0.25)) == 0.25
     assert resolve_num_gpus(AppArgs(device="cpu")) == 0.0
     assert resolve_num_gpus(AppArgs()) == (1.0 if torch.cuda.is_available() else 0.0)
+
+
+def test_the_local_gpu_check_reads_device_files_before_torch(monkeypatch, tmp_path):
+    """The launcher decides GPU or CPU before Ray starts: from NVIDIA's device files, without importing torch
+    (seconds of a cold start on a GPU box); CUDA_VISIBLE_DEVICES hiding every GPU wins; no files: torch decides."""
+    import sys
+
+    from deployments import config
+
+    (tmp_path / "nvidia0").touch()
+    (tmp_path / "nvidiactl").touch()  # not a GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(config, "NVIDIA_DEVICE_FILES", str(tmp_path / "nvidia[0-9]*"))
+    monkeypatch.setitem(sys.modules, "torch", None)  # an import of torch would raise
+    assert config.local_gpu_visible() and resolve_num_gpus(AppArgs()) == 1.0
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not config.local_gpu_visible()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    (tmp_path / "nvidia0").unlink()
+    monkeypatch.setitem(sys.modules, "torch", torch)  # no device files: torch's answer
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert config.local_gpu_visible()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not config.local_gpu_visible()
     assert resolve_device(AppArgs(), 0.5) == "cuda" and resolve_device(AppArgs(), 0) == "cpu"
     assert resolve_device(AppArgs(device="cpu"), 1) == "cpu"
 
