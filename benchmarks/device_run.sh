@@ -24,7 +24,8 @@
 #            Qwen2.5-VL-7B and Qwen3-VL-8B at 32x224 and 8x896 (benchmarks/engine.py, no HF)
 #   fp8profile  kernel profiles of the FP8 and bf16 Qwen3-VL-8B forwards at 32 x 224² (benchmarks/profile_engine.py)
 #   fp8quality  benchmarks/fp8_quality.py (photographs from $PHOTOS, a folder carried along: the GPU box has no
-#            scikit-image), then the same with fast accumulation for Qwen2.5-VL-7B
+#            scikit-image), then the same with fast accumulation for Qwen2.5-VL-7B, then the Qwen towers with
+#            some layers kept bf16 (--keep: the MLP's output GEMM, the first and last blocks)
 #   cold     issue 45.2: benchmarks/cold_start.py, 4 starts of README command 1 from a local 7B checkpoint
 #            (written first from the preset); needs the Ray pack
 #   launcher issue 45.1: README command 1 as a newcomer runs it (python -m deployments, nothing exported) with the 7B
@@ -102,7 +103,10 @@ for s in $steps; do
     fp8quality) timeout $(budget 200) python3 -m benchmarks.fp8_quality ${PHOTOS:+--images "$PHOTOS"} \
                   > "$OUT/fp8_quality.md" 2>&1
                 timeout $(budget 100) python3 -m benchmarks.fp8_quality --models qwen2.5-vl-7b --fast-accum \
-                  ${PHOTOS:+--images "$PHOTOS"} >> "$OUT/fp8_quality.md" 2>&1 ;;
+                  ${PHOTOS:+--images "$PHOTOS"} >> "$OUT/fp8_quality.md" 2>&1
+                timeout $(budget 200) python3 -m benchmarks.fp8_quality --models qwen2.5-vl-7b,qwen3-vl-8b \
+                  --keep mlp_out,first1+last1,mlp_out+first1+last1 ${PHOTOS:+--images "$PHOTOS"} \
+                  >> "$OUT/fp8_quality.md" 2>&1 ;;
     cold) timeout $(budget 420) python3 -m benchmarks.cold_start --export qwen2.5-vl-7b --model /tmp/ckpt-7b --starts 4 \
             --log-dir /tmp/cold --json "$OUT/cold.json" > "$OUT/cold.md" 2> "$OUT/cold.err"
           tar -czf "$OUT/cold_logs.tgz" -C /tmp cold 2> /dev/null ;;

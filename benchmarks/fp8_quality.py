@@ -25,6 +25,7 @@ from PIL import Image
 
 import encoder
 from benchmarks.common import require_cuda, write_results
+from encoder.models.fp8 import ROLES, quantize_blocks
 
 MODELS = "qwen2.5-vl-7b,qwen3-vl-8b,clip-vit-l-14,siglip-so400m-14-384"
 MEAN_BAR, WORST_BAR = 0.999, 0.995
@@ -46,6 +47,21 @@ def photographs(directory: str | None, max_side: int) -> list[np.ndarray]:
     if not out:
         sys.exit(f"no .png/.jpg images in {directory}")
     return out
+
+
+def keeper(policy: str):
+    """'mlp_out+first1' -> keep(block, depth, role): true for the layers that policy keeps in bf16."""
+    roles, first, last = set(), 0, 0
+    for part in policy.split("+"):
+        if part.startswith("first"):
+            first = int(part[5:])
+        elif part.startswith("last"):
+            last = int(part[4:])
+        elif part in ROLES:
+            roles.add(part)
+        else:
+            sys.exit(f"--keep: {part!r} is not one of {', '.join(ROLES)}, firstN, lastN")
+    return lambda i, depth, role: role in roles or i < first or i >= depth - last
 
 
 def random_images(count: int, seed: int = 0) -> list[np.ndarray]:
@@ -82,6 +98,12 @@ def main() -> int:
     parser.add_argument("--max-side", type=int, default=768, help="photographs shrunk to fit this side")
     parser.add_argument("--random", type=int, default=8, help="random-pixel images")
     parser.add_argument("--fast-accum", action="store_true", help="fp8 GEMMs without float32 promotion")
+    parser.add_argument(
+        "--keep",
+        default="",
+        help="policies, each a row set: layers kept bf16, '+'-joined roles (qkv, proj, mlp_in, mlp_out) and/or "
+        "firstN / lastN blocks, e.g. 'mlp_out,first1+last1' ('' = FP8 everywhere, as encoder.load does)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not require_cuda("benchmarks/fp8_quality.py"):
@@ -92,26 +114,36 @@ def main() -> int:
         Fp8Linear.fast_accum = True
     photos, noise = photographs(args.images, args.max_side), random_images(args.random)
     rows = []
+    policies = [""] + [p for p in args.keep.split(",") if p]
     for name in args.models.split(","):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", encoder.RandomWeightsWarning)
             bf16 = encoder.load(name, device="cuda")
-            fp8 = encoder.load(name, device="cuda", quantization="fp8")
-        for label, images in (("photographs", photos), ("random pixels", noise)):
-            r = {"model": name, "set": label, **compare(bf16, fp8, images)}
-            r["meets_bar"] = r["token_mean"] >= MEAN_BAR and r["token_worst"] >= WORST_BAR
-            rows.append(r)
-        del bf16, fp8
+            for policy in policies:
+                if policy:  # the same weights, some layers kept bf16
+                    fp8 = encoder.load(name, device="cuda")
+                    fp8.model.fuse()
+                    quantize_blocks(fp8.model.transformer_blocks(), keep=keeper(policy))
+                else:
+                    fp8 = encoder.load(name, device="cuda", quantization="fp8")
+                for label, images in (("photographs", photos), ("random pixels", noise)):
+                    r = {"model": name, "kept bf16": policy or "-", "set": label, **compare(bf16, fp8, images)}
+                    r["meets_bar"] = r["token_mean"] >= MEAN_BAR and r["token_worst"] >= WORST_BAR
+                    rows.append(r)
+                del fp8
+                torch.cuda.empty_cache()
+        del bf16
         torch.cuda.empty_cache()
     lines = [
         f"{torch.cuda.get_device_name()}, FP8 tower vs bf16 tower (same weights), eager, per-token cosine",
         "",
-        "| model | images | set | tokens | token mean | token worst | token 0.1% | image mean | image worst | bar |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| model | kept bf16 | images | set | tokens | token mean | token worst | token 0.1% | image mean "
+        "| image worst | bar |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['images']} | {r['set']} | {r['tokens']} | {r['token_mean']:.5f} | "
+            f"| {r['model']} | {r['kept bf16']} | {r['images']} | {r['set']} | {r['tokens']} | {r['token_mean']:.5f} | "
             f"{r['token_worst']:.5f} | {r['token_p001']:.5f} | {r['image_mean']:.6f} | {r['image_worst']:.6f} | "
             f"{'met' if r['meets_bar'] else 'MISSED'} |"
         )

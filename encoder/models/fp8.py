@@ -21,7 +21,7 @@ normal, and within 2^-10 of the scale (absolute) when subnormal (`tests/unit/enc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -118,15 +118,28 @@ def quantizable(linear: nn.Linear) -> bool:
     return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
 
 
+# the roles of a fused block's four linear layers, in their order in the block (qkv, attention output, MLP in, out)
+ROLES = ("qkv", "proj", "mlp_in", "mlp_out")
+
+
 @torch.no_grad()
-def quantize_blocks(blocks: Iterable[nn.Module]) -> list[str]:
+def quantize_blocks(blocks: Iterable[nn.Module], keep: Callable[[int, int, str], bool] | None = None) -> list[str]:
     """Every `nn.Linear` inside the given transformer blocks replaced by an `Fp8Linear`, in place (each
     block's submodule swapped; the old module dropped). Returns the converted layers' names relative to
     the blocks' list ("0.attn.qkv", ...). A layer `_scaled_mm` cannot take (a width not a multiple of
-    16: no published tower after `fuse()`) stays in the model dtype, and is not named."""
+    16: no published tower after `fuse()`) stays in the model dtype, and is not named. `keep(block index,
+    depth, role)` (a `ROLES` name) keeps a layer in the model dtype where true: for measuring which layers
+    FP8 may take (`benchmarks/fp8_quality.py --keep`); `encoder.load` converts them all."""
+    blocks = list(blocks)
     converted = []
     for i, block in enumerate(blocks):
-        targets = [(name, mod) for name, mod in block.named_modules() if type(mod) is nn.Linear and quantizable(mod)]
+        linears = [(name, mod) for name, mod in block.named_modules() if type(mod) is nn.Linear]
+        roles = ROLES if len(linears) == len(ROLES) else (None,) * len(linears)
+        targets = [
+            (name, mod)
+            for (name, mod), role in zip(linears, roles, strict=True)
+            if quantizable(mod) and not (keep is not None and keep(i, len(blocks), role))
+        ]
         for name, linear in targets:
             parent_name, _, child = name.rpartition(".")
             parent = block.get_submodule(parent_name) if parent_name else block

@@ -314,3 +314,23 @@ def test_fp8_linear_takes_rows_its_producer_quantised_as_it_quantises_a_tensor()
     from_rows = layer(Fp8Rows(q, scale))
     assert from_rows.dtype == torch.bfloat16 and from_rows.shape == (5, 24)
     torch.testing.assert_close(from_rows, layer(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3-vl", "tiny-clip"])
+def test_layers_kept_in_the_model_dtype_by_role_and_block_and_the_tower_still_runs(name):
+    """`quantize_blocks(keep=...)` (what benchmarks/fp8_quality.py --keep measures): the kept layers stay
+    nn.Linear, their producers then write 16-bit activations, and the mixed tower stays close to the float one."""
+    vision = load_quiet(name)
+    tower = vision.model
+    batch = random_images(vision, [(56, 84), (120, 120)], seed=7)
+    before = vision.run_packed(batch)
+    tower.fuse()
+    blocks = tower.transformer_blocks()
+    depth = len(blocks)
+    converted = quantize_blocks(blocks, keep=lambda i, n, role: role == "mlp_out" or i == n - 1)
+    want = [f"{i}.{layer}" for i in range(depth - 1) for layer in BLOCK_LINEARS[name][:3]]
+    assert converted == want
+    assert all(type(m) is nn.Linear for m in blocks[-1].modules() if isinstance(m, (nn.Linear, Fp8Linear)))
+    after = vision.run_packed(batch)
+    cos = torch.nn.functional.cosine_similarity(after.tokens.float(), before.tokens.float())
+    assert torch.isfinite(after.tokens).all() and cos.min() > 0.99, cos.min()
