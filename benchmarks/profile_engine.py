@@ -29,9 +29,14 @@ def main() -> int:
     parser.add_argument("--launch", action="store_true", help="profile the host side of one-image launches")
     parser.add_argument("--graph", action="store_true", help="profile graph replays (GraphEncoder) instead of eager")
     parser.add_argument("--quantization", default=None, choices=["fp8"], help="the tower's block linears in fp8")
+    parser.add_argument("--fp8-fast-accum", action="store_true", help="fp8 GEMMs without float32 promotion")
     args = parser.parse_args()
     if args.launch:
         return profile_launch(args)
+    if args.fp8_fast_accum:
+        from encoder.models.fp8 import Fp8Linear
+
+        Fp8Linear.fast_accum = True
     enc = encoder.load(
         args.model, device="cuda", dtype=torch.bfloat16, attention=args.backend, quantization=args.quantization
     )

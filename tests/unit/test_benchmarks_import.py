@@ -38,6 +38,8 @@ SHELL_VALUES = {
     '"$r"': "2",
     '"$slots"': "1",
     "$m": "qwen3-vl-8b",
+    "$q": "--quantization fp8 --fp8-fast-accum",
+    '${PHOTOS:+--images "$PHOTOS"}': "--images /tmp/photos",
 }
 
 
