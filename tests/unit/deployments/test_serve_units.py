@@ -92,6 +92,9 @@ def test_the_local_gpu_check_reads_device_files_before_torch(monkeypatch, tmp_pa
     (tmp_path / "nvidiactl").touch()  # not a GPU
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(config, "NVIDIA_DEVICE_FILES", str(tmp_path / "nvidia[0-9]*"))
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in the launcher: before Ray starts
     monkeypatch.setitem(sys.modules, "torch", None)  # an import of torch would raise
     assert config.local_gpu_visible() and resolve_num_gpus(AppArgs()) == 1.0
     for hidden in ("", "-1"):
