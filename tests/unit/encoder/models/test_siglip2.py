@@ -191,3 +191,15 @@ def test_graph_encoder_equals_eager_on_random_grids():
                 assert g.shape == e.shape and rel_err(g, e) <= 1e-5
     stats = graph.runner.stats
     assert stats.eager_runs == 3 and sum(stats.replays.values()) >= 18
+
+
+def test_service_patchify_equals_preprocess():
+    """The replica's path (uint8 arrays stacked by width, patchified at once) gives the same rows."""
+    from encoder.patchify import preprocess, stack_patchify
+
+    pp = NaflexPreprocessConfig(patch_size=16, max_num_patches=MAX_PATCHES)
+    imgs = images([(100, 100), (100, 100), (16, 1024), (90, 200)], seed=3)
+    arrays = [pp.resize(img) for img in imgs]
+    want = preprocess(imgs, pp)
+    got = stack_patchify(arrays, pp, torch.device("cpu"))
+    assert torch.equal(got.grid_thw, want.grid_thw) and torch.equal(got.pixel_values, want.pixel_values)
