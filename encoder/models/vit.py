@@ -386,23 +386,23 @@ class PackedPoolingAttention(PoolingAttention):
     """`PoolingAttention` over packed images: the probe attends to each image's rows only (a softmax per
     slot, from data); padding rows and empty slots reach no image's output (empty slots give 0)."""
 
-    def forward(self, query: torch.Tensor, tokens: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
-        # query: [D]; tokens: [S, D] model dtype; onehot: [F, S] float32 (row s belongs to slot f) -> [F, D]
+    def forward(self, query: torch.Tensor, tokens: torch.Tensor, slot: torch.Tensor, slots: int) -> torch.Tensor:
+        # query: [D]; tokens: [S, D] model dtype; slot: [S] int64 (slots for padding rows) -> [slots, D]
         s, d = tokens.shape
         heads, head_dim = self.num_heads, d // self.num_heads
         w, b = self.in_proj_weight, self.in_proj_bias
         q = F.linear(query.view(1, d), w[:d], b[:d]).float().view(heads, head_dim)
         kv = F.linear(tokens, w[d:], b[d:]).float().view(s, 2, heads, head_dim)
-        scores = (kv[:, 0] * q).sum(-1) * head_dim**-0.5  # [S, H]
-        member = onehot > 0
-        # per-slot max for a stable softmax: [F, H]; a row's own slot's max, 0 for padding rows
-        masked = torch.where(member[:, :, None], scores[None], float("-inf"))
-        peak = masked.amax(1).nan_to_num(neginf=0.0)  # empty slots: 0
-        row_peak = onehot.t() @ peak  # [S, H] (padding rows: 0)
-        e = torch.exp(scores - row_peak) * (onehot.sum(0) > 0)[:, None]  # padding rows: 0
-        den = (onehot @ e).clamp(min=torch.finfo(torch.float32).tiny)  # [F, H]
-        num = onehot @ (e[:, :, None] * kv[:, 1]).view(s, d)  # [F, D]
-        out = (num.view(-1, heads, head_dim) / den[:, :, None]).view(-1, d)
+        scores = (kv[:, 0] * q).sum(-1) * head_dim**-0.5  # [S, H] float32
+        # softmax per slot: each slot's max (order-free, so deterministic), then sums as one-hot GEMMs
+        index = slot[:, None].expand(-1, heads)
+        peak = torch.full((slots + 1, heads), float("-inf"), device=scores.device)
+        peak = peak.scatter_reduce(0, index, scores, "amax")  # row `slots`: the padding rows'
+        e = torch.exp(scores - peak[slot]) * (slot < slots)[:, None]  # [S, H]; padding rows 0
+        onehot = (slot[None, :] == torch.arange(slots, device=slot.device)[:, None]).float()  # [slots, S]
+        den = (onehot @ e).clamp(min=torch.finfo(torch.float32).tiny)  # [slots, H]; empty slots: 0 / tiny
+        num = onehot @ (e[:, :, None] * kv[:, 1]).reshape(s, d)  # [slots, D]
+        out = (num.view(slots, heads, head_dim) / den[:, :, None]).view(slots, d)
         return self.out_proj(out.to(tokens.dtype))
 
 
@@ -413,9 +413,9 @@ class PackedAttentionPoolingHead(AttentionPoolingHead):
         super().__init__(cfg)
         self.attention = PackedPoolingAttention(cfg.width, cfg.num_heads)
 
-    def forward(self, tokens: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
-        # tokens: [S, D] model dtype, onehot [F, S] -> [F, D] float32 (residual and norm in float32)
-        r = self.attention(self.probe.view(-1), tokens, onehot).float()
+    def forward(self, tokens: torch.Tensor, slot: torch.Tensor, slots: int) -> torch.Tensor:
+        # tokens: [S, D] model dtype, slot [S] -> [slots, D] float32 (residual and norm in float32)
+        r = self.attention(self.probe.view(-1), tokens, slot, slots).float()
         ln = self.layernorm
         y = F.layer_norm(r, (r.shape[-1],), ln.weight.float(), ln.bias.float(), ln.eps).to(tokens.dtype)
         return r + self.mlp(y).float()
@@ -487,8 +487,7 @@ class Siglip2VisionTower(nn.Module):
         for layer in self.encoder.layers:
             x, delta = layer(x, delta, cu_seqlens, bounds.max_seqlen)
         _, tokens = add_norm(x, delta, *norm_args(self.post_layernorm))  # [S, D] model dtype
-        onehot = (slot[None, :] == torch.arange(slots, device=slot.device)[:, None]).float()  # [F, S]
-        pooled = self.head(tokens, onehot)
+        pooled = self.head(tokens, slot, slots)  # [F, D] float32
         return TowerOutput(tokens, segment_means(tokens, cu_seqlens, slots), pooled)
 
 
