@@ -1,8 +1,9 @@
 """Vision towers, preprocessing, checkpoint loading and attention backends.
 
-Families: Qwen2-VL / Qwen2.5-VL (variable resolution, `encoder.models.qwen2`) and CLIP / SigLIP (fixed
-resolution, `encoder.models.vit`); models named by a preset, a checkpoint directory or a Hugging Face Hub id
-(`encoder.loading.hub.resolve_model`); poolings "none", "mean", "model", "mean-l2", "model-l2" (`encoder.api`).
+Families: Qwen2-VL / Qwen2.5-VL (variable resolution, `encoder.models.qwen2`), CLIP / SigLIP (fixed
+resolution, `encoder.models.vit`) and SigLIP2 NaFlex (variable resolution, `encoder.models.vit`); models
+named by a preset, a checkpoint directory or a Hugging Face Hub id (`encoder.loading.hub.resolve_model`);
+poolings "none", "mean", "model", "mean-l2", "model-l2" (`encoder.api`).
 """
 
 from encoder.config import (
@@ -10,6 +11,7 @@ from encoder.config import (
     Qwen2VLVisionConfig,
     Qwen3VLVisionConfig,
     Qwen25VLVisionConfig,
+    Siglip2VisionConfig,
     SiglipVisionConfig,
 )
 from encoder.errors import (
@@ -66,6 +68,7 @@ __all__ = [
     "Qwen2VLVisionConfig",
     "Qwen25VLVisionConfig",
     "Qwen3VLVisionConfig",
+    "Siglip2VisionConfig",
     "SiglipVisionConfig",
     "VisionEncoder",
     "VitPreprocessConfig",

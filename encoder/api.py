@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 
 from encoder.attention import resolve_attention
-from encoder.config import DTYPE_NAMES, ClipVisionConfig, Qwen3VLVisionConfig, SiglipVisionConfig, VisionConfig
+from encoder.config import (
+    DTYPE_NAMES,
+    ClipVisionConfig,
+    Qwen3VLVisionConfig,
+    Siglip2VisionConfig,
+    SiglipVisionConfig,
+    VisionConfig,
+)
 from encoder.errors import ConfigError, InvalidArgumentError, RandomWeightsWarning, named
 from encoder.image_paths import preprocess_paths
 from encoder.loading.checkpoint import load_weights, read_image_processor
@@ -35,6 +42,7 @@ from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
 from encoder.patchify import preprocess
 from encoder.poolings import check_pooling
+from encoder.preprocessing.naflex import NaflexPreprocessConfig
 from encoder.preprocessing.qwen import PreprocessConfig
 from encoder.preprocessing.vit import VitPreprocessConfig, check_matches_model
 
@@ -44,9 +52,14 @@ def is_fixed_resolution(config: VisionConfig) -> bool:
     return isinstance(config, ClipVisionConfig | SiglipVisionConfig)
 
 
+def has_model_embedding(config: VisionConfig) -> bool:
+    """CLIP / SigLIP / SigLIP2: the model has its own image embedding (pooling "model")."""
+    return is_fixed_resolution(config) or isinstance(config, Siglip2VisionConfig)
+
+
 def vector_pooling(config: VisionConfig) -> str:
     """The default one-vector-per-image pooling: the model's own embedding where it has one, else the mean."""
-    return "model" if is_fixed_resolution(config) else "mean"
+    return "model" if has_model_embedding(config) else "mean"
 
 
 def split_pooling(pooling: str) -> tuple[str, bool]:
@@ -94,11 +107,11 @@ def l2_normalize(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
 def resolve_pooling(pooling: str | None, config: VisionConfig) -> str:
     """`pooling`, or the model's default when None; raises InvalidArgumentError if the model lacks it."""
     if pooling is None:
-        return "model" if is_fixed_resolution(config) else "none"
+        return "model" if has_model_embedding(config) else "none"
     check_pooling(pooling)
-    if split_pooling(pooling)[0] == "model" and not is_fixed_resolution(config):
+    if split_pooling(pooling)[0] == "model" and not has_model_embedding(config):
         raise InvalidArgumentError(
-            f"pooling {pooling!r} needs a model with its own image embedding (CLIP, SigLIP); "
+            f"pooling {pooling!r} needs a model with its own image embedding (CLIP, SigLIP, SigLIP2); "
             f"{config.family} towers support none, mean, mean-l2"
         )
     return pooling
@@ -192,6 +205,10 @@ class VisionEncoder:
                 f"{self.config.patch_dim}"
             )
         grid = batch.grid_thw.tolist()
+        if isinstance(self.config, Siglip2VisionConfig) and any(t != 1 for t, _, _ in grid):
+            raise InvalidArgumentError(
+                f"this model takes still images only: every grid_thw row must be [1, h, w], got {grid}"
+            )
         if any(t < 1 or h < m or w < m or h % m or w % m for t, h, w in grid):
             raise InvalidArgumentError(f"grid_thw rows must be positive with h, w multiples of {m}: {grid}")
         if sum(t * h * w for t, h, w in grid) != batch.pixel_values.shape[0]:
@@ -240,7 +257,7 @@ class VisionEncoder:
         if batch.num_images == 0:
             return []
         out = self.run_packed(batch)
-        if base == "model":  # fixed-resolution towers: one frame per image
+        if base == "model":  # towers with their own embedding: one frame per image
             outs = list(out.pooled.cpu().unbind(0))
         else:
             outs = pool_outputs(out.tokens.cpu(), self.output_counts(batch.grid_thw), base)
@@ -353,6 +370,8 @@ def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
         return default_preprocess_config(config)
     raw, source = found
     try:
+        if isinstance(config, Siglip2VisionConfig):
+            return NaflexPreprocessConfig.from_hf_dict(raw, config)
         if is_fixed_resolution(config):
             return VitPreprocessConfig.from_hf_dict(raw, config)
         pp = PreprocessConfig.from_hf_dict(raw)
@@ -364,6 +383,8 @@ def preprocess_config_for(config: VisionConfig, directory: Path | None = None):
 
 def default_preprocess_config(config: VisionConfig):
     """The family's preprocessing for `config` when its checkpoint says nothing."""
+    if isinstance(config, Siglip2VisionConfig):
+        return NaflexPreprocessConfig.for_model(config)
     if is_fixed_resolution(config):
         pp = VitPreprocessConfig.for_model(config)
         check_matches_model(pp, config)
@@ -404,7 +425,9 @@ def attention_plan(config: VisionConfig, device, dtype=None, attention=None) -> 
 def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
     if isinstance(config, Qwen3VLVisionConfig):
         return Qwen3VisionTower(config, backend)
-    return build_vit_tower(config, backend) if is_fixed_resolution(config) else QwenVisionTower(config, backend)
+    if is_fixed_resolution(config) or isinstance(config, Siglip2VisionConfig):
+        return build_vit_tower(config, backend)
+    return QwenVisionTower(config, backend)
 
 
 def load(

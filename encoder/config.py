@@ -323,9 +323,75 @@ class SiglipVisionConfig(_VitVisionBase):
         return self.hidden_size
 
 
+class Siglip2VisionConfig(BaseModel):
+    """SigLIP2 NaFlex vision tower (`Siglip2VisionModel`): SigLIP's blocks, post-LayerNorm and attention-pooling
+    head over images of any patch grid (up to the processor's `max_num_patches`), the learned square position
+    table resized to each image's grid. Variable resolution: images are packed, attention stays within each.
+
+    Field names are those of the Hugging Face `vision_config`; the properties named like the other configs'
+    (`width`, `depth`, `patch_dim`, `merge_unit`, ...) let shared code treat it like them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    family: Literal["siglip2"] = "siglip2"
+    hidden_size: int = Field(768, gt=0, description="Hidden width of the blocks.")
+    intermediate_size: int = Field(3072, gt=0, description="MLP hidden width.")
+    num_hidden_layers: int = Field(12, gt=0, description="Number of transformer blocks.")
+    num_attention_heads: int = Field(12, gt=0, description="Attention heads per block.")
+    num_channels: int = Field(3, gt=0, description="Image channels (RGB).")
+    patch_size: int = Field(16, gt=0, description="Patch side in pixels.")
+    num_patches: int = Field(256, gt=0, description="Rows of the learned position table, a square grid (16 x 16).")
+    layer_norm_eps: float = Field(1e-6, gt=0, description="LayerNorm epsilon.")
+    hidden_act: Literal["gelu_pytorch_tanh", "gelu", "quick_gelu"] = Field(
+        "gelu_pytorch_tanh", description="MLP activation."
+    )
+    vision_use_head: Literal[True] = Field(
+        True, description="The attention-pooling head; towers without it (no pooler_output) are not supported."
+    )
+
+    @model_validator(mode="after")
+    def _check_shape(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
+        if self.position_grid**2 != self.num_patches:
+            raise ValueError(f"num_patches {self.num_patches} is not a square grid")
+        return self
+
+    @property
+    def position_grid(self) -> int:
+        """Side of the learned position table (HF: int(num_patches ** 0.5))."""
+        return int(self.num_patches**0.5)
+
+    # -- the names shared code reads -------------------------------------------------------------
+    width = property(lambda self: self.hidden_size)
+    depth = property(lambda self: self.num_hidden_layers)
+    num_heads = property(lambda self: self.num_attention_heads)
+    head_dim = property(lambda self: self.hidden_size // self.num_attention_heads)
+    mlp_dim = property(lambda self: self.intermediate_size)
+    in_channels = property(lambda self: self.num_channels)
+    temporal_patch_size = property(lambda self: 1)
+    spatial_merge_size = property(lambda self: 1)
+    merge_unit = property(lambda self: 1)
+    has_class_token = property(lambda self: False)
+    token_dim = property(lambda self: self.hidden_size, doc="Width of the per-token outputs (none, mean).")
+    out_dim = property(lambda self: self.hidden_size, doc="Width of pooler_output (pooling model).")
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened input patch: P * P * C (channels last, as the processor flattens it)."""
+        return self.num_channels * self.patch_size**2
+
+
 VitVisionConfig = ClipVisionConfig | SiglipVisionConfig
 QwenVisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | Qwen3VLVisionConfig
-VisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | Qwen3VLVisionConfig | ClipVisionConfig | SiglipVisionConfig
+VisionConfig = (
+    Qwen2VLVisionConfig
+    | Qwen25VLVisionConfig
+    | Qwen3VLVisionConfig
+    | ClipVisionConfig
+    | SiglipVisionConfig
+    | Siglip2VisionConfig
+)
 
 _HF_ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
 # the `attribute_map` of transformers' Qwen2-VL .. Qwen3.5 vision configs: these names set num_heads / depth
@@ -356,12 +422,14 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
         cls = ClipVisionConfig
     elif own in ("siglip", "siglip_vision_model"):
         cls = SiglipVisionConfig
+    elif own in ("siglip2", "siglip2_vision_model"):
+        cls = Siglip2VisionConfig
     else:
         raise ConfigError(
             f"unknown model_type {sorted(k for k in kinds if k) or 'missing'}; supported: "
             "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe (full VLM or vision tower "
-            "config.json), clip, siglip (full model, or "
-            "CLIPVisionModelWithProjection / SiglipVisionModel config.json)"
+            "config.json), clip, siglip, siglip2 (full model, or "
+            "CLIPVisionModelWithProjection / SiglipVisionModel / Siglip2VisionModel config.json)"
         )
     fields = {_HF_ALIASES.get(k, k): v for k, v in vision.items()}
     if cls in (Qwen2VLVisionConfig, Qwen25VLVisionConfig, Qwen3VLVisionConfig):

@@ -35,7 +35,8 @@ def _normalise_lut(mean: tuple[float, ...], std: tuple[float, ...], device: torc
 def patchify(pixels: torch.Tensor, cfg: ProcessorConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """uint8 [H, W, 3] (sides multiples of P*m) -> float32 [(H/P)*(W/P), 3*T*P*P] on the same device.
 
-    Rows are ordered by merge block (row-major), then within a block; columns are (C, T, P, P).
+    Rows are ordered by merge block (row-major), then within a block; columns are (C, T, P, P), or
+    (P, P, C) for a config whose `channels_last` is true (SigLIP2 NaFlex; T = m = 1 there).
     """
     if isinstance(pixels, np.ndarray):
         pixels = torch.from_numpy(pixels)
@@ -46,6 +47,8 @@ def patchify(pixels: torch.Tensor, cfg: ProcessorConfig = DEFAULT_CONFIG) -> tor
     lut = _normalise_lut(cfg.image_mean, cfg.image_std, pixels.device)
     channel_offset = torch.arange(3, device=pixels.device) * 256
     values = lut[pixels.long() + channel_offset]  # [H, W, 3] float32
+    if cfg.channels_last:  # (row, col, py, px, C), as transformers' NaFlex processor
+        return values.view(gh, p, gw, p, 3).permute(0, 2, 1, 3, 4).reshape(gh * gw, cfg.patch_dim)
     blocks = values.view(gh // m, m, p, gw // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
     # -> (block row, block col, row in block, col in block, C, py, px); a still image fills all T frames.
     frames = blocks.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)

@@ -8,6 +8,7 @@ from encoder.config import (
     Qwen2VLVisionConfig,
     Qwen3VLVisionConfig,
     Qwen25VLVisionConfig,
+    Siglip2VisionConfig,
     SiglipVisionConfig,
     VisionConfig,
 )
@@ -65,6 +66,16 @@ PRESETS: dict[str, VisionConfig] = {
     "siglip-so400m-14-384": SiglipVisionConfig(
         hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=384,
         patch_size=14, hidden_act="gelu_pytorch_tanh",
+    ),
+    # SigLIP2 NaFlex (variable resolution, packed); vision_config values of google/siglip2-base-patch16-naflex
+    # and google/siglip2-so400m-patch16-naflex
+    "tiny-siglip2": Siglip2VisionConfig(
+        hidden_size=64, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4, patch_size=16,
+        num_patches=64,
+    ),
+    "siglip2-base-16-naflex": Siglip2VisionConfig(),
+    "siglip2-so400m-16-naflex": Siglip2VisionConfig(
+        hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
     ),
 }  # fmt: skip
 

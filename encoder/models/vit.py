@@ -1,4 +1,5 @@
-"""CLIP and SigLIP vision towers over packed fixed-resolution images.
+"""CLIP and SigLIP vision towers over packed fixed-resolution images, and SigLIP2 NaFlex over packed images
+of any grid (`Siglip2VisionTower`, at the end: variable resolution like the Qwen towers).
 
 Every image is the same number of patches (L = (image_size / patch_size)^2), so a batch of n images
 is n * L patch rows, the blocks see n * T tokens (T = L, plus a class token for CLIP), and
@@ -32,12 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoder.attention import AttentionBackend
-from encoder.config import ClipVisionConfig, SiglipVisionConfig, VitVisionConfig
+from encoder.config import ClipVisionConfig, Siglip2VisionConfig, SiglipVisionConfig, VitVisionConfig
 from encoder.kernels.elementwise import add_norm, linear_float32_out, linear_gelu_tanh
 from encoder.models.fp8 import takes_fp8
 from encoder.models.fusion import concat_linears, pad_hidden
 from encoder.models.layers import activation, norm_args
-from encoder.models.tower import Bounds, TowerOutput, backends_per_kind
+from encoder.models.tower import Bounds, TowerOutput, backends_per_kind, frames_dummy, segment_means
 
 
 class VitMLP(nn.Module):
@@ -346,7 +347,153 @@ class SiglipVisionTower(VitTower):
         return tokens, self.head(tokens.view(-1, cfg.seq_len, cfg.width))
 
 
-def build_vit_tower(cfg: VitVisionConfig, backend: AttentionBackend) -> VitTower:
+# -- SigLIP2 NaFlex: variable resolution, packed ----------------------------------------------------------
+
+
+def packed_slots(frames_hw: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed row (from data): (slot [S] int64, row in its image [S], column [S]); rows past the frames'
+    sum (padding) get slot F (one past the last) and position (0, 0)."""
+    h, w = frames_hw[:, 0].long(), frames_hw[:, 1].long()
+    ends = (h * w).cumsum(0)
+    p = torch.arange(total, device=frames_hw.device)
+    slot = torch.searchsorted(ends, p, right=True)  # == F for padding rows
+    f = slot.clamp(max=frames_hw.shape[0] - 1)
+    local = torch.where(slot < frames_hw.shape[0], p - (ends[f] - h[f] * w[f]), 0)
+    width = w[f].clamp(min=1)
+    return slot, local // width, local % width
+
+
+def resized_positions(table: torch.Tensor, frames_hw: torch.Tensor, slot, rows, cols) -> torch.Tensor:
+    """The learned [G*G, D] position table resized to each row's image grid, as transformers' Siglip2 does
+    (`F.interpolate(bilinear, align_corners=False, antialias=True)` written as per-axis weights): [S, D]
+    float32. Every row is a weighted sum of the table, its weights the outer product of its row's and
+    its column's (computed from data, so a captured graph stays right for any grids)."""
+    grid = int(round(table.shape[0] ** 0.5))
+    f = slot.clamp(max=frames_hw.shape[0] - 1)
+    sizes = frames_hw[f].float().clamp(min=1)  # [S, 2] (h, w) of each row's image
+    index = torch.stack([rows, cols], -1).float()  # [S, 2]
+    scale = grid / sizes
+    support = scale.clamp(min=1)
+    center = (index + 0.5) * scale - 0.5
+    source = torch.arange(grid, device=table.device, dtype=torch.float32)
+    weights = (1 - (source - center[..., None]).abs().div(support[..., None])).clamp(min=0)  # [S, 2, G]
+    weights = weights / weights.sum(-1, keepdim=True)
+    weights = (weights[:, 0, :, None] * weights[:, 1, None, :]).flatten(-2)  # [S, G*G]
+    return weights @ table.float()
+
+
+class PackedPoolingAttention(PoolingAttention):
+    """`PoolingAttention` over packed images: the probe attends to each image's rows only (a softmax per
+    slot, from data); padding rows and empty slots reach no image's output (empty slots give 0)."""
+
+    def forward(self, query: torch.Tensor, tokens: torch.Tensor, slot: torch.Tensor, slots: int) -> torch.Tensor:
+        # query: [D]; tokens: [S, D] model dtype; slot: [S] int64 (slots for padding rows) -> [slots, D]
+        s, d = tokens.shape
+        heads, head_dim = self.num_heads, d // self.num_heads
+        w, b = self.in_proj_weight, self.in_proj_bias
+        q = F.linear(query.view(1, d), w[:d], b[:d]).float().view(heads, head_dim)
+        kv = F.linear(tokens, w[d:], b[d:]).float().view(s, 2, heads, head_dim)
+        scores = (kv[:, 0] * q).sum(-1) * head_dim**-0.5  # [S, H] float32
+        # softmax per slot: each slot's max (order-free, so deterministic), then sums as one-hot GEMMs
+        index = slot[:, None].expand(-1, heads)
+        peak = torch.full((slots + 1, heads), float("-inf"), device=scores.device)
+        peak = peak.scatter_reduce(0, index, scores, "amax")  # row `slots`: the padding rows'
+        e = torch.exp(scores - peak[slot]) * (slot < slots)[:, None]  # [S, H]; padding rows 0
+        onehot = (slot[None, :] == torch.arange(slots, device=slot.device)[:, None]).float()  # [slots, S]
+        den = (onehot @ e).clamp(min=torch.finfo(torch.float32).tiny)  # [slots, H]; empty slots: 0 / tiny
+        num = onehot @ (e[:, :, None] * kv[:, 1]).reshape(s, d)  # [slots, D]
+        out = (num.view(slots, heads, head_dim) / den[:, :, None]).view(slots, d)
+        return self.out_proj(out.to(tokens.dtype))
+
+
+class PackedAttentionPoolingHead(AttentionPoolingHead):
+    """SigLIP's attention-pooling head, one pooled vector per packed image (`PackedPoolingAttention`)."""
+
+    def __init__(self, cfg: Siglip2VisionConfig):
+        super().__init__(cfg)
+        self.attention = PackedPoolingAttention(cfg.width, cfg.num_heads)
+
+    def forward(self, tokens: torch.Tensor, slot: torch.Tensor, slots: int) -> torch.Tensor:
+        # tokens: [S, D] model dtype, slot [S] -> [slots, D] float32 (residual and norm in float32)
+        r = self.attention(self.probe.view(-1), tokens, slot, slots).float()
+        ln = self.layernorm
+        y = F.layer_norm(r, (r.shape[-1],), ln.weight.float(), ln.bias.float(), ln.eps).to(tokens.dtype)
+        return r + self.mlp(y).float()
+
+
+class Siglip2Embeddings(nn.Module):
+    def __init__(self, cfg: Siglip2VisionConfig):
+        super().__init__()
+        # a linear over the (P, P, C) patch in checkpoints too (transformers' Siglip2)
+        self.patch_embedding = nn.Linear(cfg.patch_dim, cfg.width)
+        self.position_embedding = nn.Embedding(cfg.num_patches, cfg.width)
+
+
+class Siglip2VisionTower(nn.Module):
+    """`Siglip2VisionModel` (NaFlex) over packed images of any grid; implements `encoder.models.tower.GraphTower`.
+
+    Images are packed row after row with no padding between them (transformers pads each to
+    `max_num_patches` and masks): attention runs per image through the varlen backends (one segment per
+    image, `cu_seqlens` from `frames_hw` as for the Qwen towers), the position table is resized to each
+    image's grid (`resized_positions`), and the head pools each image's rows (`PackedAttentionPoolingHead`).
+    Outputs: tokens [S, D] (HF's `last_hidden_state` rows, after `post_layernorm`, model dtype), per-slot
+    means, pooled [F, D] float32 (`pooler_output`)."""
+
+    patches_per_image = None  # variable resolution
+    merge_unit = 1
+    attention_kinds = ("full",)
+    checkpoint_prefixes: tuple[str, ...] = ("vision_model.", "")
+    checkpoint_top_level: tuple[str, ...] = ()
+
+    def __init__(self, cfg: Siglip2VisionConfig, backend: AttentionBackend):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_dim = cfg.patch_dim
+        self.embeddings = Siglip2Embeddings(cfg)
+        self.encoder = VitEncoder(cfg)
+        self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+        self.head = PackedAttentionPoolingHead(cfg)
+        self.set_backend(backend)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.encoder.layers
+
+    set_backend = VitTower.set_backend
+    transformer_blocks = VitTower.transformer_blocks
+    fuse = VitTower.fuse
+
+    # -- the graph protocol (encoder.models.tower) ------------------------------------------------------
+    def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds:
+        return Bounds(min(max_image_patches, budget))
+
+    def batch_bounds(self, grid: list[list[int]]) -> Bounds:
+        return Bounds(max(h * w for _, h, w in grid))
+
+    def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor:
+        return frames_dummy(budget, max_images, bounds, 1)
+
+    def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
+        # pixel_values: [S, P*P*C]; frames_hw: [F, 2] (zero rows: empty slots; rows past the frames' sum:
+        # padding). Everything from data: the same ops replay for any split.
+        assert pixel_values.dim() == 2 and pixel_values.shape[1] == self.patch_dim, pixel_values.shape
+        s, slots = pixel_values.shape[0], frames_hw.shape[0]
+        cu_seqlens = F.pad((frames_hw[:, 0] * frames_hw[:, 1]).cumsum(0), (1, 0)).to(torch.int32)
+        slot, rows, cols = packed_slots(frames_hw, s)
+        emb = self.embeddings
+        x = linear_float32_out(pixel_values.float(), emb.patch_embedding.weight, emb.patch_embedding.bias)
+        x = x + resized_positions(emb.position_embedding.weight, frames_hw, slot, rows, cols)  # [S, D] float32
+        delta = None
+        for layer in self.encoder.layers:
+            x, delta = layer(x, delta, cu_seqlens, bounds.max_seqlen)
+        _, tokens = add_norm(x, delta, *norm_args(self.post_layernorm))  # [S, D] model dtype
+        pooled = self.head(tokens, slot, slots)  # [F, D] float32
+        return TowerOutput(tokens, segment_means(tokens, cu_seqlens, slots), pooled)
+
+
+def build_vit_tower(cfg: VitVisionConfig | Siglip2VisionConfig, backend: AttentionBackend):
+    if isinstance(cfg, Siglip2VisionConfig):
+        return Siglip2VisionTower(cfg, backend)
     if isinstance(cfg, ClipVisionConfig):
         return ClipVisionTower(cfg, backend)
     if isinstance(cfg, SiglipVisionConfig):

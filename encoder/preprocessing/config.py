@@ -60,6 +60,11 @@ class ProcessorConfig(BaseModel):
         """Values per patch: channels x frames x patch area."""
         return 3 * self.temporal_patch_size * self.patch_size**2
 
+    @property
+    def channels_last(self) -> bool:
+        """Patch columns (P, P, C) instead of (C, T, P, P) (`encoder.patchify.patchify`; SigLIP2 NaFlex)."""
+        return False
+
     @abstractmethod
     def resize(self, img: Image.Image) -> np.ndarray:
         """RGB PIL image (from `load_image`) -> uint8 [H, W, 3], the sides multiples of `factor`."""

@@ -146,7 +146,7 @@ def test_embed_dataset_defaults_to_the_pooling_of_the_cli_and_the_service():
     from deployments.batch.model_facts import resolve_pooling
     from deployments.batch.options import EmbedOptions
 
-    for model, own in (("tiny", "mean"), ("tiny-clip", "model")):
+    for model, own in (("tiny", "mean"), ("tiny-clip", "model"), ("tiny-siglip2", "model")):
         cli = parse_args(["--input", "x", "--output", "y", "--model", model]).pooling
         assert resolve_pooling(EmbedOptions.of(model=model).pooling, model) == resolve_pooling(cli, model) == own
 

@@ -149,7 +149,7 @@ def test_fp8_linear_reference_is_nn_linear_within_the_quantisation_bound(bias):
     assert torch.nn.functional.cosine_similarity(got.reshape(-1, 48), want.reshape(-1, 48)).min() > 0.99
 
 
-TINY = ["tiny", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-clip", "tiny-siglip"]
+TINY = ["tiny", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-clip", "tiny-siglip", "tiny-siglip2"]
 # the linear layers of one block after `fuse()`, per tower: what the conversion must replace, and nothing else
 BLOCK_LINEARS = {
     "tiny": ("attn.qkv", "attn.proj", "mlp.gate_up", "mlp.down_proj"),
@@ -157,6 +157,7 @@ BLOCK_LINEARS = {
     "tiny-qwen3-vl": ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2"),
     "tiny-clip": ("self_attn.qkv_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"),
     "tiny-siglip": ("self_attn.qkv_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"),
+    "tiny-siglip2": ("self_attn.qkv_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"),
 }
 
 
