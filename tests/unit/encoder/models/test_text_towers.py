@@ -1,0 +1,182 @@
+"""CLIP text towers against Hugging Face transformers (float32, CPU): token ids against the checkpoint's HF
+tokenizer, `encode_text` against `get_text_features`, zero-shot logits against `logits_per_image`, presets'
+parameter counts, errors.
+
+Checkpoints are tiny random CLIPModels written by `save_pretrained`, with a tiny byte-level BPE tokenizer
+(the CLIP pipeline, a few merges) written by transformers' CLIPTokenizer: no network.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import encoder
+from encoder import InvalidArgumentError
+from encoder.loading.presets import TEXT_PRESETS
+from encoder.models.text import build_text_tower
+from encoder.tokenization import TextTokenizer
+from tests.graph_cases import rel_err
+
+CLIP_VISION = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   image_size=56, patch_size=14)  # fmt: skip
+CLIP_TEXT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=16)  # fmt: skip
+TEXTS = [
+    "a photo of a cat",
+    "A PHOTO of a Cat!",
+    "Ünïcode façade — naïve 東京",
+    "emoji 😀🐱 ok",
+    "cat " * 40,  # over-long: truncated, EOS kept
+    "x",
+    "  spaces\tand\nnewlines  ",
+]
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2 / CLIP's byte -> printable character table (the byte-level BPE alphabet)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in cs]
+
+
+def clip_tokenizer():
+    """A transformers CLIPTokenizer over every byte (with and without `</w>`) and a few merges; the special
+    tokens last, so EOS is the highest id as in OpenAI's vocabulary."""
+    import transformers as tf
+
+    chars = _bytes_to_unicode()
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab |= {c + "</w>": len(chars) + i for i, c in enumerate(chars)}
+    merges = [("a", "t</w>"), ("c", "at</w>"), ("p", "h"), ("o", "t"), ("ph", "ot"), ("phot", "o</w>")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return tf.CLIPTokenizer(vocab=vocab, merges=merges)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name == "logit_scale":
+                p.fill_(2.0)
+                continue
+            scale = p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (p.dim() == 1))
+
+
+def write_clip(directory, legacy_eos: bool = False, with_tokenizer: bool = True, seed: int = 0):
+    """A tiny CLIPModel (and its tokenizer) saved in `directory`; returns (HF model, HF tokenizer)."""
+    import transformers as tf
+
+    tok = clip_tokenizer()
+    text = CLIP_TEXT | dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                            eos_token_id=2 if legacy_eos else tok.eos_token_id)  # fmt: skip
+    model = tf.CLIPModel(tf.CLIPConfig(vision_config=CLIP_VISION, text_config=text, projection_dim=24))
+    _randomize(model, seed)
+    model.eval().save_pretrained(directory)
+    if with_tokenizer:
+        tok.save_pretrained(directory)
+    return model, tok
+
+
+@pytest.fixture(scope="module", params=["eos-id", "legacy-eos"])
+def clip(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"clip-{request.param}")
+    model, tok = write_clip(directory, legacy_eos=request.param == "legacy-eos")
+    return directory, model, tok
+
+
+def hf_ids(tok, texts, seq_len):
+    return tok(texts, padding="max_length", max_length=seq_len, truncation=True)["input_ids"]
+
+
+def test_token_ids_equal_hf(clip):
+    directory, model, _ = clip
+    import transformers as tf
+
+    hf_tok = tf.AutoTokenizer.from_pretrained(directory)  # as a user loads it
+    ours = TextTokenizer(directory, CLIP_TEXT["max_position_embeddings"])
+    ids = ours(TEXTS)
+    assert ids == hf_ids(hf_tok, TEXTS, 16)
+    assert all(len(row) == 16 for row in ids)
+    assert ids[4][-1] == hf_tok.eos_token_id  # truncated, EOS kept
+
+
+def test_encode_text_equals_hf(clip):
+    directory, model, tok = clip
+    enc = encoder.load(directory, device="cpu", dtype="float32")
+    assert enc.supports_text
+    got = torch.stack(enc.encode_text(TEXTS))
+    inputs = tok(TEXTS, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    with torch.no_grad():  # with the tokenizer's attention mask, as the processor calls it, and without
+        ref = model.get_text_features(**inputs).pooler_output
+        ref_no_mask = model.get_text_features(input_ids=inputs["input_ids"]).pooler_output
+    assert got.dtype == torch.float32 and got.shape == (len(TEXTS), 24)
+    assert rel_err(got, ref) <= 1e-5 and rel_err(got, ref_no_mask) <= 1e-5
+    l2 = torch.stack(enc.encode_text(TEXTS, pooling="model-l2"))
+    assert rel_err(l2, torch.nn.functional.normalize(ref, dim=-1)) <= 1e-5
+
+
+def test_zero_shot_logits_equal_hf(clip):
+    directory, model, tok = clip
+    enc = encoder.load(directory, device="cpu", dtype="float32")
+    n, size, patch = 3, CLIP_VISION["image_size"], CLIP_VISION["patch_size"]
+    pixel_values = torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1))
+    grid = size // patch
+    patches = pixel_values.reshape(n, 3, grid, patch, grid, patch).permute(0, 2, 4, 1, 3, 5).reshape(-1, 3 * patch**2)
+    image = torch.stack(enc.encode(encoder.PatchBatch(patches, torch.tensor([[1, grid, grid]] * n))))
+    text = torch.stack(enc.encode_text(TEXTS))
+    ids = torch.tensor(hf_ids(tok, TEXTS, 16))
+    with torch.no_grad():
+        ref = model(input_ids=ids, pixel_values=pixel_values).logits_per_image
+    got = enc.text.logits(image, text)
+    assert got.shape == (n, len(TEXTS))
+    assert rel_err(got, ref) <= 1e-5
+
+
+def test_text_errors(clip, tmp_path):
+    directory, _, _ = clip
+    enc = encoder.load(directory, device="cpu", dtype="float32")
+    with pytest.raises(InvalidArgumentError, match=r"texts\[1\] is an empty string"):
+        enc.encode_text(["ok", ""])
+    with pytest.raises(InvalidArgumentError, match=r"texts\[2\] must be a string"):
+        enc.encode_text(["ok", "fine", 3])
+    with pytest.raises(InvalidArgumentError, match="list of strings"):
+        enc.encode_text("a cat")
+    with pytest.raises(InvalidArgumentError, match="text pooling"):
+        enc.encode_text(["a cat"], pooling="mean")
+    assert enc.encode_text([]) == []
+    # a checkpoint without tokenizer files serves images only
+    write_clip(tmp_path, with_tokenizer=False)
+    images_only = encoder.load(tmp_path, device="cpu", dtype="float32")
+    assert not images_only.supports_text
+    with pytest.raises(InvalidArgumentError, match=f"model '{images_only.name}' takes no text"):
+        images_only.encode_text(["a cat"])
+    with pytest.warns(encoder.RandomWeightsWarning):
+        tiny = encoder.load("tiny-clip", device="cpu")
+    assert not tiny.supports_text
+
+
+def test_text_presets_match_hf_sizes():
+    """The presets' text towers have the parameters of transformers' text models of the same config."""
+    import transformers as tf
+
+    for name, cfg in TEXT_PRESETS.items():
+        fields = cfg.model_dump(exclude={"family"})
+        with torch.device("meta"):
+            ours = build_text_tower(cfg)
+            if cfg.family == "clip":
+                theirs = tf.CLIPTextModelWithProjection(tf.CLIPTextConfig(**fields))
+            else:
+                theirs = tf.SiglipTextModel(tf.SiglipTextConfig(**fields))
+        keys = {k.removeprefix("text_model.") for k in theirs.state_dict() if "position_ids" not in k}
+        assert set(ours.state_dict()) == keys, name
+        assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters()), name
