@@ -79,6 +79,11 @@ class SiglipTextConfig(_TextBase):
         "gelu_pytorch_tanh", description="MLP activation."
     )
     projection_size: int | None = Field(None, gt=0, description="Width of the head's output (None: hidden_size).")
+    mask_padding: bool = Field(
+        False,
+        description="Pads are masked out of attention: SigLIP2, whose processor passes the tokenizer's attention "
+        "mask (SigLIP's passes none: every position attends to every other, pads included).",
+    )
 
     @property
     def causal(self) -> bool:
@@ -103,6 +108,8 @@ def text_config_from_hf(raw: dict) -> TextConfig | None:
         text = {**text, **raw["text_config_dict"]}
     cls = ClipTextConfig if model_type == "clip" else SiglipTextConfig
     fields = {k: v for k, v in text.items() if k in cls.model_fields and k != "family" and v is not None}
+    if model_type == "siglip2":
+        fields["mask_padding"] = True
     if model_type == "clip" and raw.get("projection_dim") is not None:
         fields["projection_dim"] = raw["projection_dim"]  # CLIPModel's text projection: the top-level width
     try:

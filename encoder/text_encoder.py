@@ -17,9 +17,13 @@ from encoder.errors import InvalidArgumentError, named
 from encoder.loading.text_weights import read_text_state
 from encoder.models.text import TextTower, build_text_tower
 from encoder.text_config import TextConfig
-from encoder.tokenization import TextTokenizer, check_texts, has_tokenizer
+from encoder.tokenization import TextTokenizer, check_texts, has_tokenizer, tokenizer_class
 
 TEXT_POOLINGS = ("model", "model-l2")
+# tokenizers transformers runs in Python over a sentencepiece model, not from tokenizer.json: SigLIP's
+# canonicalises each text first (lowercase, punctuation removed, whitespace collapsed). A checkpoint with one
+# serves images only.
+SENTENCEPIECE_ONLY = ("SiglipTokenizer",)
 
 
 def check_text_pooling(pooling) -> str:
@@ -42,9 +46,11 @@ class TextEncoder:
     def device(self) -> torch.device:
         return next(self.tower.parameters()).device
 
-    def tokenize(self, texts: list[str]) -> torch.Tensor:
-        """[B, seq_len] int64 token ids on the CPU."""
-        return torch.tensor(self.tokenizer(check_texts(texts)), dtype=torch.int64).view(-1, self.config.seq_len)
+    def tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, seq_len] int64 token ids, [B, seq_len] int64 attention mask), on the CPU."""
+        ids, mask = self.tokenizer.with_mask(check_texts(texts))
+        shape = (-1, self.config.seq_len)
+        return torch.tensor(ids, dtype=torch.int64).view(shape), torch.tensor(mask, dtype=torch.int64).view(shape)
 
     @torch.inference_mode()
     def encode(self, texts: list[str], pooling: str | None = None) -> list[torch.Tensor]:
@@ -52,8 +58,8 @@ class TextEncoder:
         texts = check_texts(texts)
         if not texts:
             return []
-        ids = self.tokenize(texts).to(self.device)
-        out = self.tower(ids).float().cpu()  # [B, out_dim]
+        ids, mask = (t.to(self.device) for t in self.tokenize(texts))
+        out = self.tower(ids, mask).float().cpu()  # [B, out_dim]
         if pooling == "model-l2":
             out = torch.nn.functional.normalize(out, dim=-1)
         return list(out.unbind(0))
@@ -97,7 +103,7 @@ def text_config_of(directory: Path) -> TextConfig | None:
 def load_text_side(directory: Path, device, dtype) -> TextEncoder | None:
     """The text encoder of a checkpoint that has a text tower and its tokenizer, else None (images only: the
     text config is not even read)."""
-    if not has_tokenizer(directory):
+    if not has_tokenizer(directory) or tokenizer_class(directory) in SENTENCEPIECE_ONLY:
         return None
     config = text_config_of(directory)
     return None if config is None else load_text_encoder(config, directory, device, dtype)

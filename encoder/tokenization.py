@@ -4,7 +4,8 @@
 Token ids equal those of the checkpoint's Hugging Face tokenizer called as the model's processor calls it:
 `tokenizer(texts, padding="max_length", max_length=seq_len, truncation=True)` (CLIP 77, SigLIP 64), the
 special tokens added by the file's post-processor. The pad token is the one `tokenizer_config.json` (or
-`special_tokens_map.json`) names.
+`special_tokens_map.json`) names; the padding side is its `padding_side`, else the tokenizer class's default
+(left for the Gemma tokenizers of SigLIP2, right for CLIP's).
 """
 
 from __future__ import annotations
@@ -28,17 +29,39 @@ def _token_name(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _special_token(directory: Path, key: str) -> str | None:
+# transformers' tokenizer classes that pad on the left by default (`padding_side = "left"`)
+LEFT_PADDING_CLASSES = ("Siglip2Tokenizer", "GemmaTokenizer", "GemmaTokenizerFast")
+
+
+def _setting(directory: Path, key: str):
+    """`key` of tokenizer_config.json, else of special_tokens_map.json; None in neither."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         path = directory / name
         if path.is_file():
             try:
-                token = _token_name(json.loads(path.read_text()).get(key))
+                value = json.loads(path.read_text()).get(key)
             except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
                 raise CheckpointError(f"{path}: not a valid JSON object ({reason(exc)})") from None
-            if token is not None:
-                return token
+            if value is not None:
+                return value
     return None
+
+
+def tokenizer_class(directory: Path) -> str | None:
+    """The transformers class `tokenizer_config.json` names (None when it names none)."""
+    value = _setting(Path(directory), "tokenizer_class")
+    return value if isinstance(value, str) else None
+
+
+def _special_token(directory: Path, key: str) -> str | None:
+    return _token_name(_setting(directory, key))
+
+
+def _side(directory: Path, key: str, default: str) -> str:
+    side = _setting(directory, key) or default
+    if side not in ("left", "right"):
+        raise CheckpointError(f"{directory / 'tokenizer_config.json'}: {key} must be left or right, got {side!r}")
+    return side
 
 
 class TextTokenizer:
@@ -59,13 +82,20 @@ class TextTokenizer:
             raise CheckpointError(
                 f"{directory}: no pad token found in tokenizer_config.json or special_tokens_map.json"
             )
+        left = _setting(directory, "tokenizer_class") in LEFT_PADDING_CLASSES
+        self.padding_side = _side(directory, "padding_side", "left" if left else "right")
         tok.no_padding()
-        tok.enable_truncation(max_length=seq_len)
-        tok.enable_padding(length=seq_len, pad_id=pad_id, pad_token=pad)
+        tok.enable_truncation(max_length=seq_len, direction=_side(directory, "truncation_side", "right"))
+        tok.enable_padding(length=seq_len, pad_id=pad_id, pad_token=pad, direction=self.padding_side)
         self.tokenizer, self.seq_len, self.pad_id, self.path = tok, seq_len, pad_id, path
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts)]
+
+    def with_mask(self, texts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """(token ids, attention mask: 1 for a text's tokens, 0 for padding), each [B][seq_len]."""
+        encodings = self.tokenizer.encode_batch(texts)
+        return [e.ids for e in encodings], [e.attention_mask for e in encodings]
 
 
 def check_texts(texts) -> list[str]:

@@ -11,7 +11,9 @@ loading is a rename-free copy from under `text_model.` (plus CLIP's top-level `t
 Outputs of `forward(input_ids)`: [B, out_dim] float32, what transformers' `get_text_features` returns:
   * CLIP: `text_projection(final_layer_norm(x)[eos])`, causal attention, `eos` the first position of
     `eos_token_id` (legacy configs with `eos_token_id` 2: the position of the highest token id);
-  * SigLIP: `head(final_layer_norm(x)[:, -1])`, attention over every position (pads included, as in HF).
+  * SigLIP / SigLIP2: `head(final_layer_norm(x)[:, -1])`; SigLIP attends over every position (pads
+    included, as in HF: its processor passes no attention mask), SigLIP2 masks the pads out (its processor
+    passes the tokenizer's mask; its Gemma tokenizer pads on the left, so the last token is the text's).
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ class TextAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, S, D] -> [B, S, D]
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [B, S, D] -> [B, S, D]; keys: None or [B, 1, 1, S] bool, the positions each text attends to
         b, s, d = x.shape
         q, k, v = (p(x).view(b, s, self.num_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # [B, H, S, hd]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=keys, is_causal=self.causal)  # [B, H, S, hd]
         return self.out_proj(o.transpose(1, 2).reshape(b, s, d))
 
 
@@ -59,10 +61,10 @@ class TextLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = TextMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         # pre-norm block; the residual stream x is float32, the branches run in the model dtype
         dtype = self.self_attn.q_proj.weight.dtype
-        x = x + self.self_attn(_norm(self.layer_norm1, x).to(dtype)).float()
+        x = x + self.self_attn(_norm(self.layer_norm1, x).to(dtype), keys).float()
         return x + self.mlp(_norm(self.layer_norm2, x).to(dtype)).float()
 
 
@@ -108,14 +110,17 @@ class TextTower(nn.Module):
     def seq_len(self) -> int:
         return self.cfg.seq_len
 
-    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, S] token ids -> [B, S, D] float32, after `final_layer_norm` (HF's `last_hidden_state`)."""
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, S] token ids -> [B, S, D] float32, after `final_layer_norm` (HF's `last_hidden_state`).
+
+        `attention_mask` [B, S] (1: a token, 0: padding), None for none: pads are then keys like any token."""
+        keys = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         x = self.embeddings(input_ids)
         for layer in self.encoder.layers:
-            x = layer(x)
+            x = layer(x, keys)
         return _norm(self.final_layer_norm, x)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -135,8 +140,9 @@ class ClipTextTower(TextTower):
             return ids.argmax(-1)
         return (ids == self.cfg.eos_token_id).int().argmax(-1)  # the first EOS (pads may equal it)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # input_ids: [B, S] -> [B, projection_dim] float32
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids: [B, S] -> [B, projection_dim] float32; causal: pads after the EOS never reach it, so
+        # CLIP needs no mask (the tokenizer pads on the right)
         h = self.hidden(input_ids)
         pooled = h[torch.arange(h.shape[0], device=h.device), self.eos_positions(input_ids)]  # [B, D]
         return F.linear(pooled, self.text_projection.weight.float())
@@ -149,9 +155,9 @@ class SiglipTextTower(TextTower):
         super().__init__(cfg)
         self.head = nn.Linear(cfg.hidden_size, cfg.out_dim)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # input_ids: [B, S] -> [B, out_dim] float32
-        h = self.hidden(input_ids)[:, -1]
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids: [B, S] -> [B, out_dim] float32; attention_mask [B, S] for SigLIP2 (`mask_padding`)
+        h = self.hidden(input_ids, attention_mask if self.cfg.mask_padding else None)[:, -1]
         return F.linear(h, self.head.weight.float(), self.head.bias.float())
 
 

@@ -180,3 +180,100 @@ def test_text_presets_match_hf_sizes():
         keys = {k.removeprefix("text_model.") for k in theirs.state_dict() if "position_ids" not in k}
         assert set(ours.state_dict()) == keys, name
         assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters()), name
+
+
+# -- SigLIP and SigLIP2 -----------------------------------------------------------------------------
+SIGLIP_VISION = dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+                     image_size=56, patch_size=14)  # fmt: skip
+SIGLIP_TEXT = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                   max_position_embeddings=16, projection_size=64)  # fmt: skip
+
+
+def siglip2_tokenizer():
+    """A transformers Siglip2Tokenizer (Gemma's pipeline, lowercased) over letters, byte fallback and a few merges."""
+    import transformers as tf
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"])}
+    vocab |= {f"<0x{b:02X}>": 5 + b for b in range(256)}
+    for c in "▁abcdefghijklmnopqrstuvwxyz0123456789.,!?'":
+        vocab.setdefault(c, len(vocab))
+    merges = [("▁", "a"), ("c", "a"), ("ca", "t"), ("▁", "ca"), ("▁ca", "t"), ("p", "h"), ("o", "t")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return tf.Siglip2Tokenizer(vocab=vocab, merges=merges)
+
+
+def write_siglip(directory, family: str, seed: int = 0):
+    """A tiny SiglipModel / Siglip2Model in `directory` (SigLIP2 with its tokenizer); returns (model, tokenizer)."""
+    import transformers as tf
+
+    if family == "siglip":
+        model, tok = tf.SiglipModel(tf.SiglipConfig(vision_config=SIGLIP_VISION, text_config=SIGLIP_TEXT)), None
+    else:
+        tok = siglip2_tokenizer()
+        text = SIGLIP_TEXT | dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                  bos_token_id=tok.bos_token_id)  # fmt: skip
+        vision = dict(SIGLIP_VISION, num_patches=16)
+        del vision["image_size"]
+        model = tf.Siglip2Model(tf.Siglip2Config(vision_config=vision, text_config=text))
+    _randomize(model, seed)
+    with torch.no_grad():
+        if hasattr(model, "logit_bias"):
+            model.logit_bias.fill_(-1.5)
+    model.eval().save_pretrained(directory)
+    if tok is not None:
+        tok.save_pretrained(directory)
+    return model, tok
+
+
+def test_siglip_tower_equals_hf_and_zero_shot_logits(tmp_path):
+    """SigLIP's text tower on token ids (its sentencepiece tokenizer is not read: images only) and the zero-shot
+    logits with its logit_bias."""
+    from encoder.loading.text_weights import read_text_state
+    from encoder.text_encoder import TextEncoder, text_config_of
+
+    model, _ = write_siglip(tmp_path, "siglip")
+    cfg = text_config_of(tmp_path)
+    assert cfg.family == "siglip" and not cfg.mask_padding and cfg.out_dim == 64
+    tower = build_text_tower(cfg)
+    state, scalars = read_text_state(tmp_path, tower)
+    tower.load_state_dict(state)
+    assert set(scalars) == {"logit_scale", "logit_bias"}
+    ids = torch.randint(0, SIGLIP_TEXT.get("vocab_size", 32000), (5, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = tower(ids)
+        ref = model.get_text_features(input_ids=ids).pooler_output
+    assert rel_err(got, ref) <= 1e-5
+    # zero-shot: our image embeddings and text embeddings against HF's logits_per_image
+    enc = encoder.load(tmp_path, device="cpu", dtype="float32")
+    assert not enc.supports_text  # no tokenizer.json
+    n, size, patch = 2, SIGLIP_VISION["image_size"], SIGLIP_VISION["patch_size"]
+    pixel_values = torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1))
+    grid = size // patch
+    patches = pixel_values.reshape(n, 3, grid, patch, grid, patch).permute(0, 2, 4, 1, 3, 5).reshape(-1, 3 * patch**2)
+    image = torch.stack(enc.encode(encoder.PatchBatch(patches, torch.tensor([[1, grid, grid]] * n))))
+    text_side = TextEncoder(cfg, tower, None, scalars["logit_scale"], scalars["logit_bias"])
+    with torch.no_grad():
+        expected = model(input_ids=ids, pixel_values=pixel_values).logits_per_image
+    assert rel_err(text_side.logits(image, got), expected) <= 1e-5
+
+
+def test_siglip2_tokens_and_text_equal_hf(tmp_path):
+    """SigLIP2: Gemma tokenizer (left padding, attention mask) and the SigLIP text tower with pads masked out."""
+    import transformers as tf
+
+    from encoder.text_encoder import load_text_side
+
+    model, tok = write_siglip(tmp_path, "siglip2")
+    text = load_text_side(tmp_path, torch.device("cpu"), torch.float32)
+    assert text is not None and text.config.mask_padding and text.tokenizer.padding_side == "left"
+    hf_tok = tf.AutoTokenizer.from_pretrained(tmp_path)
+    inputs = hf_tok(TEXTS, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    ids, mask = text.tokenize(TEXTS)
+    assert torch.equal(ids, inputs["input_ids"]) and torch.equal(mask, inputs["attention_mask"])
+    got = torch.stack(text.encode(TEXTS))
+    with torch.no_grad():
+        ref = model.get_text_features(**inputs).pooler_output
+    assert rel_err(got, ref) <= 1e-5
+    l2 = torch.stack(text.encode(TEXTS, pooling="model-l2"))
+    assert rel_err(l2, torch.nn.functional.normalize(ref, dim=-1)) <= 1e-5
