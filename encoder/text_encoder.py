@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from encoder.errors import InvalidArgumentError, named
-from encoder.loading.text_weights import read_text_state
+from encoder.loading.text_weights import read_text_state, text_side_files
 from encoder.models.text import TextTower, build_text_tower
 from encoder.text_config import TextConfig
 from encoder.tokenization import TextTokenizer, check_texts, has_tokenizer, tokenizer_class
@@ -104,6 +104,9 @@ def load_text_side(directory: Path, device, dtype) -> TextEncoder | None:
     """The text encoder of a checkpoint that has a text tower and its tokenizer, else None (images only: the
     text config is not even read)."""
     if not has_tokenizer(directory) or tokenizer_class(directory) in SENTENCEPIECE_ONLY:
+        return None
+    shards = [f for f in text_side_files(Path(directory)) if f.endswith(".safetensors")]
+    if not all((Path(directory) / f).exists() for f in shards):  # a partial Hub cache: images only
         return None
     config = text_config_of(directory)
     return None if config is None else load_text_encoder(config, directory, device, dtype)

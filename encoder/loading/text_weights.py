@@ -16,14 +16,35 @@ if TYPE_CHECKING:
     import torch
 
 HEAD_SCALARS = ("logit_scale", "logit_bias")
+# the tokenizer's files (`encoder.tokenization`), fetched from the Hub with the text tower's shards
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TEXT_MODEL_TYPES = ("clip", "siglip", "siglip2")
 _IGNORED = ("position_ids",)  # non-persistent buffers some exporters still write
+
+
+def _is_text_key(name: str) -> bool:
+    return name.startswith("text_") or name in HEAD_SCALARS
+
+
+def text_side_files(directory: Path) -> list[str]:
+    """What the text side of a checkpoint whose `config.json` and index (if sharded) are in `directory` needs
+    beyond the vision tower's files: the tokenizer's files and the shards holding text weights; [] for a
+    checkpoint without a text tower (a vision model alone, a VLM)."""
+    from encoder.loading.checkpoint import read_json
+
+    raw = read_json(directory / "config.json")
+    if raw.get("model_type") not in TEXT_MODEL_TYPES or not isinstance(raw.get("text_config"), dict):
+        return []
+    index = directory / "model.safetensors.index.json"
+    shards = [s for k, s in read_weight_map(index).items() if _is_text_key(k)] if index.exists() else []
+    return [*TOKENIZER_FILES, *dict.fromkeys(shards)]
 
 
 def _text_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
         weight_map = read_weight_map(index)
-        names = [s for k, s in weight_map.items() if k.startswith("text_") or k in HEAD_SCALARS]
+        names = [s for k, s in weight_map.items() if _is_text_key(k)]
         files = [directory / s for s in dict.fromkeys(names)]
         missing = [str(f) for f in files if not f.exists()]
         if missing:

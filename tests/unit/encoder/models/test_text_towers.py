@@ -277,3 +277,41 @@ def test_siglip2_tokens_and_text_equal_hf(tmp_path):
     assert rel_err(got, ref) <= 1e-5
     l2 = torch.stack(text.encode(TEXTS, pooling="model-l2"))
     assert rel_err(l2, torch.nn.functional.normalize(ref, dim=-1)) <= 1e-5
+
+
+def test_hub_download_fetches_the_tokenizer_and_text_shards(monkeypatch, tmp_path):
+    """From the Hub (replaced by a directory): a sharded CLIPModel's tokenizer files and text shards come with
+    its vision shards; a repository without a tokenizer serves images only."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    from encoder.loading.checkpoint import read_weight_map, vision_shards
+    from tests.hub_cache import COMMIT, use_cache
+
+    cache = use_cache(monkeypatch, tmp_path / "hf_home", offline=False)
+    remotes = {"org/clip": tmp_path / "clip", "org/clip-images": tmp_path / "clip-images"}
+    for name, remote in remotes.items():
+        model, _ = write_clip(remote, with_tokenizer=name == "org/clip")
+        if name == "org/clip":  # sharded again: text weights in shards of their own
+            for f in remote.glob("model*.safetensors*"):
+                f.unlink()
+            model.save_pretrained(remote, max_shard_size="20KB")
+
+    def snapshot_download(repo_id, *, revision=None, allow_patterns=None, **kwargs):
+        snapshot = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for f in remotes[repo_id].iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, snapshot / f.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    weight_map = read_weight_map(remotes["org/clip"] / "model.safetensors.index.json")
+    assert set(weight_map.values()) - set(vision_shards(weight_map))  # some shards hold text weights only
+    enc = encoder.load("org/clip", device="cpu", dtype="float32")
+    assert enc.supports_text
+    local = encoder.load(remotes["org/clip"], device="cpu", dtype="float32")
+    assert torch.equal(torch.stack(enc.encode_text(TEXTS)), torch.stack(local.encode_text(TEXTS)))
+    assert not encoder.load("org/clip-images", device="cpu", dtype="float32").supports_text
