@@ -50,7 +50,9 @@ class TextMLP(nn.Module):
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
     def forward(self, x):
-        return self.fc2(activation(self.fc1(x), self.act))
+        # [B, S, D] -> [B, S, D]; the activation kernels take rows ([B * S, F])
+        b, s, d = x.shape
+        return self.fc2(activation(self.fc1(x.reshape(b * s, d)), self.act)).view(b, s, d)
 
 
 class TextLayer(nn.Module):

@@ -315,3 +315,19 @@ def test_hub_download_fetches_the_tokenizer_and_text_shards(monkeypatch, tmp_pat
     local = encoder.load(remotes["org/clip"], device="cpu", dtype="float32")
     assert torch.equal(torch.stack(enc.encode_text(TEXTS)), torch.stack(local.encode_text(TEXTS)))
     assert not encoder.load("org/clip-images", device="cpu", dtype="float32").supports_text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["clip", "siglip2"])
+def test_text_on_cuda_bf16_matches_float32(family, tmp_path):
+    """The text towers on a GPU in bfloat16 (the activation kernels on [B * S, F] rows) against float32 on the CPU."""
+    from encoder.text_encoder import load_text_side
+
+    if family == "clip":
+        write_clip(tmp_path)
+    else:
+        write_siglip(tmp_path, "siglip2")
+    ref = torch.stack(load_text_side(tmp_path, torch.device("cpu"), torch.float32).encode(TEXTS))
+    got = torch.stack(load_text_side(tmp_path, torch.device("cuda"), torch.bfloat16).encode(TEXTS))
+    assert got.dtype == torch.float32 and got.device.type == "cpu"
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() >= 0.995
