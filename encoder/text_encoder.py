@@ -1,4 +1,4 @@
-"""The text side of an image-text model (CLIP, SigLIP): tokenizer, text tower and the zero-shot head's
+"""The text side of an image-text model (CLIP, SigLIP2): tokenizer, text tower and the zero-shot head's
 scalars, behind `VisionEncoder.encode_text` and `supports_text`.
 
 Poolings: "model" (the default: CLIP `text_embeds`, SigLIP `pooler_output`, what transformers'
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from encoder.errors import InvalidArgumentError, named
+from encoder.errors import CheckpointError, ConfigError, InvalidArgumentError, named
+from encoder.loading.checkpoint import read_json
 from encoder.loading.text_weights import read_text_state, text_side_files
 from encoder.models.text import TextTower, build_text_tower
-from encoder.text_config import TextConfig
+from encoder.text_config import TextConfig, text_config_from_hf
 from encoder.tokenization import TextTokenizer, check_texts, has_tokenizer, tokenizer_class
 
 TEXT_POOLINGS = ("model", "model-l2")
@@ -90,10 +91,6 @@ def load_text_encoder(config: TextConfig, directory: Path, device: torch.device,
 
 def text_config_of(directory: Path) -> TextConfig | None:
     """The text tower's config in a checkpoint directory's `config.json`; None for a model without one."""
-    from encoder.errors import CheckpointError, ConfigError
-    from encoder.loading.checkpoint import read_json
-    from encoder.text_config import text_config_from_hf
-
     try:
         return text_config_from_hf(read_json(Path(directory) / "config.json"))
     except ConfigError as exc:

@@ -78,10 +78,12 @@ class TextTokenizer:
             raise CheckpointError(f"{path}: cannot read the tokenizer ({reason(exc)})") from None
         pad = _special_token(directory, "pad_token") or _special_token(directory, "eos_token")
         pad_id = tok.token_to_id(pad) if pad is not None else None
-        if pad_id is None:
+        if pad is None:
             raise CheckpointError(
                 f"{directory}: no pad token found in tokenizer_config.json or special_tokens_map.json"
             )
+        if pad_id is None:
+            raise CheckpointError(f"{directory}: the pad token {pad!r} is not in {path.name}'s vocabulary")
         left = _setting(directory, "tokenizer_class") in LEFT_PADDING_CLASSES
         self.padding_side = _side(directory, "padding_side", "left" if left else "right")
         tok.no_padding()

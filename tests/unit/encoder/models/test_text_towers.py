@@ -331,3 +331,29 @@ def test_text_on_cuda_bf16_matches_float32(family, tmp_path):
     got = torch.stack(load_text_side(tmp_path, torch.device("cuda"), torch.bfloat16).encode(TEXTS))
     assert got.dtype == torch.float32 and got.device.type == "cpu"
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() >= 0.995
+
+
+def test_tokenizer_and_config_errors(tmp_path):
+    """A broken tokenizer.json, a tokenizer without a pad token, a bad text config: one CheckpointError each."""
+    import json
+
+    from encoder import CheckpointError
+    from encoder.text_encoder import load_text_side
+
+    write_clip(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"text_config": {**config["text_config"],
+                                                                             "num_attention_heads": 5}}))  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"config.json: invalid text config: .*5 heads"):
+        load_text_side(tmp_path, torch.device("cpu"), torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings | {"pad_token": "<nope>"}))
+    with pytest.raises(CheckpointError, match="the pad token '<nope>' is not in tokenizer.json's vocabulary"):
+        TextTokenizer(tmp_path, 16)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings | {"pad_token": None, "eos_token": None}))
+    with pytest.raises(CheckpointError, match="no pad token"):
+        TextTokenizer(tmp_path, 16)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: cannot read the tokenizer"):
+        TextTokenizer(tmp_path, 16)
