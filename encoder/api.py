@@ -45,6 +45,7 @@ from encoder.poolings import check_pooling
 from encoder.preprocessing.naflex import NaflexPreprocessConfig
 from encoder.preprocessing.qwen import PreprocessConfig
 from encoder.preprocessing.vit import VitPreprocessConfig, check_matches_model
+from encoder.text_encoder import TextEncoder, load_text_side
 
 
 def is_fixed_resolution(config: VisionConfig) -> bool:
@@ -128,6 +129,7 @@ class VisionEncoder:
         name: str = "custom",
         source: ResolvedModel | None = None,
         quantization: str | None = None,
+        text: TextEncoder | None = None,
     ):
         self.config = config
         self.model = model
@@ -136,6 +138,24 @@ class VisionEncoder:
         self.source = source  # where config and weights came from (None: built by hand)
         # None (every GEMM in the model dtype) or "fp8": the blocks' linear layers in float8 (`load`)
         self.quantization = quantization
+        # the text tower and tokenizer (CLIP / SigLIP checkpoints with tokenizer files), else None
+        self.text = text
+
+    @property
+    def supports_text(self) -> bool:
+        """True when `encode_text` works: an image-text checkpoint with its tokenizer (`tokenizer.json`)."""
+        return self.text is not None
+
+    def encode_text(self, texts: list[str], pooling: str | None = None) -> list[torch.Tensor]:
+        """Per text, one float32 CPU vector [out_dim]: pooling "model" (the default: CLIP `text_embeds`, SigLIP
+        `pooler_output`) or "model-l2" (L2-normalised). InvalidArgumentError for a model without text, an empty
+        string or a non-string (naming its index), an unknown pooling."""
+        if self.text is None:
+            raise InvalidArgumentError(
+                f"model {self.name!r} takes no text: text needs a CLIP / SigLIP checkpoint with its tokenizer "
+                "files (tokenizer.json)"
+            )
+        return self.text.encode(texts, pooling)
 
     @property
     def random_weights(self) -> bool:
@@ -476,6 +496,7 @@ def load(
         init_random_weights(tower, seed)
     tower = tower.to(device=device, dtype=dtype).eval()
     quantize_tower(tower, quantization)  # after the weights and the cast: scales from the final bf16 weights
+    text = load_text_side(path, device, dtype) if path is not None else None
     if source.random_weights:
         RandomWeightsWarning.warn(source.name, stacklevel=2)  # at the line that called load
-    return VisionEncoder(config, tower, pp, name=source.name, source=source, quantization=quantization)
+    return VisionEncoder(config, tower, pp, name=source.name, source=source, quantization=quantization, text=text)

@@ -10,7 +10,8 @@ and what would have been accepted. Resolution order:
    into its standard cache (`HF_HOME` / `HF_HUB_CACHE`), honouring `HF_HUB_OFFLINE` and `HF_TOKEN`.
    Only `config.json`, the image processor's settings (`processor_config.json`,
    `preprocessor_config.json`), the safetensors index and the shards that hold the vision tower
-   (`checkpoint.vision_shards`) are downloaded; pickled weights never are.
+   (`checkpoint.vision_shards`) are downloaded, and for an image-text model its tokenizer's files and text
+   shards (`text_weights.text_side_files`); pickled weights never are.
 
 Anything else that looks like a path (`/x`, `./x`, `~/x`, `x/y/z`), or is a `Path`, is a missing directory; what
 follows an `@` is a revision, which may hold `/` (`org/name@refs/pr/12`).
@@ -40,6 +41,7 @@ from encoder.config import VisionConfig
 from encoder.errors import CheckpointError, ConfigError, reason
 from encoder.loading.checkpoint import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, load_config, read_weight_map, vision_shards
 from encoder.loading.presets import PRESETS
+from encoder.loading.text_weights import text_side_files
 
 CONFIG_FILES = ("config.json", PROCESSOR_FILE, IMAGE_PROCESSOR_FILE, "model.safetensors.index.json")
 SINGLE_WEIGHTS = "model.safetensors"
@@ -180,6 +182,7 @@ def _resolve_hub(given: str, repo_id: str, revision: str | None, *, download_wei
         path = _snapshot(given, repo_id, revision, [*CONFIG_FILES, *shards])
         if not all((path / s).exists() for s in shards):
             _explain_missing_weights(given, repo_id, revision, path)
+        _fetch_text_side(given, repo_id, revision, path)
     else:
         path = small
         if not all((path / s).exists() for s in shards):
@@ -188,6 +191,17 @@ def _resolve_hub(given: str, repo_id: str, revision: str | None, *, download_wei
     return ResolvedModel(
         given, "hub", repo_id, config, path=path, revision=revision, commit=path.name, weights_on_disk=on_disk
     )
+
+
+def _fetch_text_side(given: str, repo_id: str, revision: str | None, path: Path) -> None:
+    """The tokenizer files and text shards of an image-text model (`text_weights.text_side_files`), into the
+    same snapshot. Optional: a repository without them, or an offline cache lacking them, serves images only."""
+    files = text_side_files(path)
+    if files:
+        try:
+            _snapshot(given, repo_id, revision, files)
+        except ConfigError:
+            pass
 
 
 def _snapshot(given: str, repo_id: str, revision: str | None, patterns: list[str]) -> Path:

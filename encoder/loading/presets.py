@@ -13,6 +13,7 @@ from encoder.config import (
     VisionConfig,
 )
 from encoder.errors import ConfigError
+from encoder.text_config import ClipTextConfig, SiglipTextConfig, TextConfig
 
 PRESETS: dict[str, VisionConfig] = {
     # embedded default: random weights, runs in milliseconds on a CPU
@@ -85,3 +86,24 @@ def preset(name: str) -> VisionConfig:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}") from None
+
+
+# the text towers of the image-text presets (random weights; a preset has no tokenizer, so it serves
+# images only: `VisionEncoder.supports_text` is False). Published text_config values of
+# openai/clip-vit-large-patch14 and google/siglip-so400m-patch14-384.
+TEXT_PRESETS: dict[str, TextConfig] = {
+    "tiny-clip": ClipTextConfig(
+        vocab_size=512, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        eos_token_id=511, projection_dim=48,
+    ),
+    "tiny-siglip": SiglipTextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4,
+    ),
+    "clip-vit-l-14": ClipTextConfig(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, eos_token_id=2,
+        projection_dim=768,
+    ),
+    "siglip-so400m-14-384": SiglipTextConfig(
+        hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+    ),
+}  # fmt: skip
