@@ -279,6 +279,31 @@ def test_siglip2_tokens_and_text_equal_hf(tmp_path):
     assert rel_err(l2, torch.nn.functional.normalize(ref, dim=-1)) <= 1e-5
 
 
+def test_siglip2_through_load_searches_images_by_text(tmp_path):
+    """`encoder.load` of a Siglip2Model checkpoint: the NaFlex image tower and the text side together; text
+    features equal HF's, and zero-shot logits from our image and text features equal HF's `logits_per_image`."""
+    import transformers as tf
+
+    model, _ = write_siglip(tmp_path, "siglip2")
+    enc = encoder.load(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert enc.supports_text and type(enc.config).__name__ == "Siglip2VisionConfig"
+    hf_tok = tf.AutoTokenizer.from_pretrained(tmp_path)
+    inputs = hf_tok(TEXTS, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        ref = model.get_text_features(**inputs).pooler_output
+    assert rel_err(torch.stack(enc.encode_text(TEXTS)), ref) <= 1e-5
+    gen = torch.Generator().manual_seed(3)
+    images = [torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy() for h, w in ((40, 64), (72, 24))]
+    image = torch.stack(enc.encode(images, pooling="model"))
+    text = torch.stack(enc.encode_text(TEXTS))
+    logits = enc.text.logits(image, text)
+    assert logits.shape == (len(images), len(TEXTS)) and torch.isfinite(logits).all()
+    want = model.logit_scale.exp() * torch.nn.functional.normalize(image, dim=-1) @ torch.nn.functional.normalize(
+        ref, dim=-1
+    ).t() + model.logit_bias
+    assert rel_err(logits, want.detach()) <= 1e-5
+
+
 def test_hub_download_fetches_the_tokenizer_and_text_shards(monkeypatch, tmp_path):
     """From the Hub (replaced by a directory): a sharded CLIPModel's tokenizer files and text shards come with
     its vision shards; a repository without a tokenizer serves images only."""
