@@ -1,12 +1,14 @@
 """Vision towers, preprocessing, checkpoint loading and attention backends.
 
-Families: Qwen2-VL / Qwen2.5-VL (variable resolution, `encoder.models.qwen2`) and CLIP / SigLIP (fixed
-resolution, `encoder.models.vit`); models named by a preset, a checkpoint directory or a Hugging Face Hub id
-(`encoder.loading.hub.resolve_model`); poolings "none", "mean", "model", "mean-l2", "model-l2" (`encoder.api`).
+Families: Qwen2-VL / Qwen2.5-VL (variable resolution, `encoder.models.qwen2`) and CLIP / SigLIP / DINOv2 (fixed
+resolution, `encoder.models.vit`, `encoder.models.dinov2`); models named by a preset, a checkpoint directory or a
+Hugging Face Hub id (`encoder.loading.hub.resolve_model`); poolings "none", "mean", "model", "mean-l2",
+"model-l2" (`encoder.api`).
 """
 
 from encoder.config import (
     ClipVisionConfig,
+    Dinov2VisionConfig,
     Qwen2VLVisionConfig,
     Qwen3VLVisionConfig,
     Qwen25VLVisionConfig,
@@ -53,6 +55,7 @@ __all__ = [
     "ClipVisionConfig",
     "ConfigError",
     "DecodeTimeoutError",
+    "Dinov2VisionConfig",
     "DecodeWorkerError",
     "EncoderError",
     "ImageDecodeError",

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("encoder", "workspace", "deployments")
 RAY_COMPAT = "deployments.ray_compat"
-TOWERS = ("encoder.models.qwen2", "encoder.models.qwen3", "encoder.models.vit")
+TOWERS = ("encoder.models.qwen2", "encoder.models.qwen3", "encoder.models.vit", "encoder.models.dinov2")
 TORCH_FREE = ("encoder.preprocessing", "deployments.ingress.deployment")  # packages whose modules never import torch
 
 
