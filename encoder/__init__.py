@@ -9,6 +9,7 @@ Hugging Face Hub id (`encoder.loading.hub.resolve_model`); poolings "none", "mea
 from encoder.config import (
     ClipVisionConfig,
     Dinov2VisionConfig,
+    Dinov3VisionConfig,
     Qwen2VLVisionConfig,
     Qwen3VLVisionConfig,
     Qwen25VLVisionConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "ConfigError",
     "DecodeTimeoutError",
     "Dinov2VisionConfig",
+    "Dinov3VisionConfig",
     "DecodeWorkerError",
     "EncoderError",
     "ImageDecodeError",

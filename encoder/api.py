@@ -5,7 +5,7 @@ Poolings (`encode(images, pooling=...)`; the same names in `workspace.GraphEncod
     the patch tokens of HF's `last_hidden_state` (CLIP without its class token).
   * "mean": the mean of those tokens, [dim].
   * "model": the model's own image embedding, [out_dim]: CLIP `image_embeds` (projected class
-    token), SigLIP `pooler_output` (attention-pooling head), DINOv2 `pooler_output` (the normed class
+    token), SigLIP `pooler_output` (attention-pooling head), DINOv2 / DINOv3 `pooler_output` (the normed class
     token; "none" / "mean" are its patch tokens, class and register tokens excluded). Fixed-resolution
     towers only.
   * "mean-l2", "model-l2": the same vector divided by its L2 norm (cosine-ready).
@@ -26,6 +26,7 @@ from encoder.config import (
     DTYPE_NAMES,
     ClipVisionConfig,
     Dinov2VisionConfig,
+    Dinov3VisionConfig,
     Qwen3VLVisionConfig,
     SiglipVisionConfig,
     VisionConfig,
@@ -35,6 +36,7 @@ from encoder.image_paths import preprocess_paths
 from encoder.loading.checkpoint import load_weights, read_image_processor
 from encoder.loading.hub import ResolvedModel, resolve_model
 from encoder.models.dinov2 import Dinov2VisionTower
+from encoder.models.dinov3 import Dinov3VisionTower
 from encoder.models.fp8 import quantize_blocks
 from encoder.models.geometry import frames_of
 from encoder.models.qwen2 import QwenVisionTower
@@ -50,8 +52,8 @@ from encoder.preprocessing.vit import VitPreprocessConfig, check_matches_model
 
 
 def is_fixed_resolution(config: VisionConfig) -> bool:
-    """CLIP / SigLIP / DINOv2: one image size, a fixed number of patches per image."""
-    return isinstance(config, ClipVisionConfig | SiglipVisionConfig | Dinov2VisionConfig)
+    """CLIP / SigLIP / DINOv2 / DINOv3: one image size, a fixed number of patches per image."""
+    return isinstance(config, ClipVisionConfig | SiglipVisionConfig | Dinov2VisionConfig | Dinov3VisionConfig)
 
 
 def vector_pooling(config: VisionConfig) -> str:
@@ -417,6 +419,8 @@ def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
         return Qwen3VisionTower(config, backend)
     if isinstance(config, Dinov2VisionConfig):
         return Dinov2VisionTower(config, backend)
+    if isinstance(config, Dinov3VisionConfig):
+        return Dinov3VisionTower(config, backend)
     return build_vit_tower(config, backend) if is_fixed_resolution(config) else QwenVisionTower(config, backend)
 
 

@@ -373,10 +373,52 @@ class Dinov2VisionConfig(_VitVisionBase):
         return self.hidden_size
 
 
+class Dinov3VisionConfig(_VitVisionBase):
+    """DINOv3 ViT (`DINOv3ViTModel`): class and register tokens, 2D rotary position embedding on the patch
+    tokens (patch-centre coordinates in [-1, 1]), layer scale, a plain or gated MLP, a final LayerNorm;
+    `pooler_output` is the normed class token. `image_size` is the side the image processor resizes to."""
+
+    family: Literal["dinov3"] = "dinov3"
+    intermediate_size: int = Field(1536, gt=0, description="MLP hidden width.")
+    hidden_size: int = Field(384, gt=0, description="Hidden width of the blocks.")
+    num_attention_heads: int = Field(6, gt=0, description="Attention heads per block.")
+    patch_size: int = Field(16, gt=0, description="Patch side in pixels.")
+    hidden_act: Literal["gelu", "silu", "gelu_pytorch_tanh", "quick_gelu"] = Field(
+        "gelu", description="MLP activation."
+    )
+    rope_theta: float = Field(100.0, gt=0, description="Base of the rotary frequencies.")
+    query_bias: bool = True
+    key_bias: bool = False
+    value_bias: bool = True
+    proj_bias: bool = True
+    mlp_bias: bool = True
+    use_gated_mlp: bool = Field(False, description="Gated MLP: down(act(gate(x)) * up(x)).")
+    num_register_tokens: int = Field(0, ge=0, description="Register tokens after the class token.")
+
+    @model_validator(mode="after")
+    def _check_rotary(self):
+        if self.head_dim % 4:
+            raise ValueError(f"head size {self.head_dim} is not a multiple of 4 (2D rotary)")
+        return self
+
+    @property
+    def has_class_token(self) -> bool:
+        return True
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per image inside the blocks: class token, registers, patches."""
+        return 1 + self.num_register_tokens + self.num_patches
+
+    @property
+    def out_dim(self) -> int:
+        return self.hidden_size
+
+
 VitVisionConfig = ClipVisionConfig | SiglipVisionConfig
 QwenVisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | Qwen3VLVisionConfig
 VisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | Qwen3VLVisionConfig | ClipVisionConfig | SiglipVisionConfig
-VisionConfig = VisionConfig | Dinov2VisionConfig
+VisionConfig = VisionConfig | Dinov2VisionConfig | Dinov3VisionConfig
 
 _HF_ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
 # the `attribute_map` of transformers' Qwen2-VL .. Qwen3.5 vision configs: these names set num_heads / depth
@@ -409,12 +451,14 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
         cls = SiglipVisionConfig
     elif own in _DINOV2_TYPES:
         return _dinov2_from_hf(vision, own)
+    elif own == "dinov3_vit":
+        cls = Dinov3VisionConfig
     else:
         raise ConfigError(
             f"unknown model_type {sorted(k for k in kinds if k) or 'missing'}; supported: "
             "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe (full VLM or vision tower "
             "config.json), clip, siglip (full model, or "
-            "CLIPVisionModelWithProjection / SiglipVisionModel config.json), dinov2, dinov2_with_registers"
+            "CLIPVisionModelWithProjection / SiglipVisionModel config.json), dinov2, dinov2_with_registers, dinov3_vit"
         )
     fields = {_HF_ALIASES.get(k, k): v for k, v in vision.items()}
     if cls in (Qwen2VLVisionConfig, Qwen25VLVisionConfig, Qwen3VLVisionConfig):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from encoder.config import (
     ClipVisionConfig,
     Dinov2VisionConfig,
+    Dinov3VisionConfig,
     Qwen2VLVisionConfig,
     Qwen3VLVisionConfig,
     Qwen25VLVisionConfig,
@@ -84,6 +85,18 @@ PRESETS: dict[str, VisionConfig] = {
     "dinov2-with-registers-large": Dinov2VisionConfig(
         hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
         num_register_tokens=4, interpolate_antialias=True,
+    ),
+    # DINOv3 ViT (random weights); published sizes from facebook/dinov3-vit*16-pretrain-lvd1689m config.json
+    "tiny-dinov3": Dinov3VisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=128,
+        num_register_tokens=2,
+    ),
+    "dinov3-vits16": Dinov3VisionConfig(num_register_tokens=4),
+    "dinov3-vitb16": Dinov3VisionConfig(
+        hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_register_tokens=4,
+    ),
+    "dinov3-vitl16": Dinov3VisionConfig(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, num_register_tokens=4,
     ),
 }  # fmt: skip
 

@@ -31,7 +31,7 @@ import numpy as np
 from PIL import Image
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from encoder.config import ClipVisionConfig, Dinov2VisionConfig, VitVisionConfig
+from encoder.config import ClipVisionConfig, Dinov2VisionConfig, Dinov3VisionConfig, VitVisionConfig
 from encoder.errors import ConfigError, InvalidImageError, validation_reason
 from encoder.preprocessing.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ProcessorConfig, reject_unsupported_steps
 from encoder.preprocessing.image_guard import DEFAULT_LIMITS, ImageLimits
@@ -143,6 +143,9 @@ class VitPreprocessConfig(ProcessorConfig):
         elif isinstance(cfg, Dinov2VisionConfig):  # published: shortest edge 256, crop 224, ImageNet mean/std
             kwargs = dict(shortest_edge=s * 256 // 224, crop_height=s, crop_width=s, image_mean=IMAGENET_MEAN,
                           image_std=IMAGENET_STD)  # fmt: skip
+        elif isinstance(cfg, Dinov3VisionConfig):  # DINOv3ViTImageProcessor: square bilinear resize, ImageNet
+            kwargs = dict(height=s, width=s, resample=int(Image.Resampling.BILINEAR), image_mean=IMAGENET_MEAN,
+                          image_std=IMAGENET_STD)  # fmt: skip
         else:
             kwargs = dict(height=s, width=s, image_mean=SIGLIP_MEAN, image_std=SIGLIP_STD)
         try:
@@ -188,6 +191,8 @@ class VitPreprocessConfig(ProcessorConfig):
                 kwargs[key] = tuple(value) if isinstance(value, list | tuple) else (value,) * 3
         if "resample" in d and d["resample"] is not None:
             kwargs["resample"] = d["resample"]
+        elif isinstance(cfg, Dinov3VisionConfig):
+            kwargs["resample"] = int(Image.Resampling.BILINEAR)
         if isinstance(cfg, Dinov2VisionConfig):  # BitImageProcessor's class defaults
             mean, std = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
         else:
