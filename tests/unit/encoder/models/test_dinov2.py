@@ -218,3 +218,18 @@ def test_config_errors():
         from_hf_dict({"model_type": "dinov2", "hidden_size": 65, "num_attention_heads": 4})
     assert isinstance(from_hf_dict({"model_type": "dinov2"}), Dinov2VisionConfig)
     assert from_hf_dict({"model_type": "dinov2_with_registers"}).num_register_tokens == 4
+
+
+def test_triton_backend_and_bf16_match_float32_sdpa():
+    """The Triton varlen kernel (CPU interpreter) over class + register + patch segments; bf16 within 1e-2."""
+    from tests.graph_cases import bf16_twin
+
+    ref = encoder.load("tiny-dinov2", device="cpu", dtype=torch.float32)
+    tri = encoder.load("tiny-dinov2", device="cpu", dtype=torch.float32, attention="triton")
+    images = [random_image("RGB", 60, 80, seed=s) for s in range(2)]
+    half = bf16_twin(ref)
+    for pooling in ("model", "none"):
+        for x, y in zip(tri.encode(images, pooling), ref.encode(images, pooling), strict=True):
+            assert rel_err(x, y) <= 1e-5
+        for x, y in zip(half.encode(images, pooling), ref.encode(images, pooling), strict=True):
+            assert rel_err(x, y) <= 1e-2

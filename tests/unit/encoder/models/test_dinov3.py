@@ -105,3 +105,18 @@ def test_tiny_preset_and_default_preprocessing():
     assert out[0].shape == (64,) and all(torch.isfinite(x).all() for x in out)
     assert enc.encode(images, "none")[0].shape == (64, 64)
     assert VitPreprocessConfig.from_hf_dict({}, enc.config) == pp
+
+
+def test_triton_backend_and_bf16_match_float32_sdpa():
+    """The Triton varlen kernel (CPU interpreter) over class + register + patch segments; bf16 within 1e-2."""
+    from tests.graph_cases import bf16_twin
+
+    ref = encoder.load("tiny-dinov3", device="cpu", dtype=torch.float32)
+    tri = encoder.load("tiny-dinov3", device="cpu", dtype=torch.float32, attention="triton")
+    images = [random_image("RGB", 60, 80, seed=s) for s in range(2)]
+    half = bf16_twin(ref)
+    for pooling in ("model", "none"):
+        for x, y in zip(tri.encode(images, pooling), ref.encode(images, pooling), strict=True):
+            assert rel_err(x, y) <= 1e-5
+        for x, y in zip(half.encode(images, pooling), ref.encode(images, pooling), strict=True):
+            assert rel_err(x, y) <= 1e-2
