@@ -233,3 +233,27 @@ def test_triton_backend_and_bf16_match_float32_sdpa():
             assert rel_err(x, y) <= 1e-5
         for x, y in zip(half.encode(images, pooling), ref.encode(images, pooling), strict=True):
             assert rel_err(x, y) <= 1e-2
+
+
+@pytest.mark.parametrize("case", ["dinov2", "dinov2_with_registers"])
+def test_image_classifier_checkpoint_loads_its_backbone(case, tmp_path):
+    """A `*ForImageClassification` checkpoint: the backbone under `dinov2.` / `dinov2_with_registers.`, the
+    classifier not read."""
+    import transformers as tf
+
+    kwargs = VISION | CASES[case] | {"num_labels": 3}
+    if case == "dinov2":
+        model = tf.Dinov2ForImageClassification(tf.Dinov2Config(**kwargs))
+    else:
+        model = tf.Dinov2WithRegistersForImageClassification(tf.Dinov2WithRegistersConfig(**kwargs))
+    _randomize(model, seed=7)
+    model.eval().save_pretrained(tmp_path)
+    tiny_processor().save_pretrained(tmp_path)
+    enc = encoder.load(str(tmp_path), device="cpu", dtype=torch.float32)
+    pixel_values = torch.randn(2, 3, CROP, CROP, generator=torch.Generator().manual_seed(4))
+    backbone = model.dinov2 if case == "dinov2" else model.dinov2_with_registers
+    ref_tokens, ref_pooled = reference(backbone, case, pixel_values)
+    g = enc.config.grid
+    batch = encoder.PatchBatch(to_patches(pixel_values, 14), torch.tensor([[1, g, g]] * 2))
+    for ours, ref in zip(enc.encode(batch, "model"), ref_pooled, strict=True):
+        assert rel_err(ours, ref) <= 1e-5
