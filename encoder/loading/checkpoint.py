@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
-from encoder.config import Dinov2VisionConfig, QwenVisionConfig, VisionConfig, from_hf_dict
+from encoder.config import Dinov2VisionConfig, Dinov3VisionConfig, QwenVisionConfig, VisionConfig, from_hf_dict
 from encoder.errors import CheckpointError, ConfigError, reason
 
 if TYPE_CHECKING:  # torch is imported where weights are read: checking a model (`build_app`'s preflight) needs none
@@ -79,15 +79,19 @@ def load_config(directory: Path) -> VisionConfig:
         config = from_hf_dict(raw)
     except ConfigError as exc:
         raise CheckpointError(f"{directory / 'config.json'}: {exc}") from None
-    return dinov2_input_size(config, directory) if isinstance(config, Dinov2VisionConfig) else config
+    return dino_input_size(config, directory) if isinstance(config, Dinov2VisionConfig | Dinov3VisionConfig) else config
 
 
-def dinov2_input_size(config: Dinov2VisionConfig, directory: Path) -> Dinov2VisionConfig:
-    """A DINOv2 tower takes the images its processor makes (HF resizes the position table to any size): the
-    square center crop of the checkpoint's image processor, when it has one, is the tower's input size."""
+def dino_input_size(config: Dinov2VisionConfig | Dinov3VisionConfig, directory: Path):
+    """A DINOv2 / DINOv3 tower takes the images its processor makes (transformers resizes DINOv2's position table
+    to any grid; DINOv3's rotary embedding needs no table): the square center crop (DINOv2) or square resize (DINOv3)
+    of the checkpoint's image processor, when it has one, is the tower's input size."""
     found = read_image_processor(directory)
     raw = found[0] if found is not None else {}
-    crop = raw.get("crop_size") if raw.get("do_center_crop", True) else None
+    if isinstance(config, Dinov2VisionConfig):
+        crop = raw.get("crop_size") if raw.get("do_center_crop", True) else None
+    else:
+        crop = raw.get("crop_size") if raw.get("do_center_crop", False) else raw.get("size")
     side = crop if isinstance(crop, int) and not isinstance(crop, bool) else None
     if isinstance(crop, dict) and crop.get("height") == crop.get("width") and isinstance(crop.get("height"), int):
         side = crop["height"]

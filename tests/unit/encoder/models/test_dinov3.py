@@ -120,3 +120,25 @@ def test_triton_backend_and_bf16_match_float32_sdpa():
             assert rel_err(x, y) <= 1e-5
         for x, y in zip(half.encode(images, pooling), ref.encode(images, pooling), strict=True):
             assert rel_err(x, y) <= 1e-2
+
+
+def test_input_size_follows_the_image_processor(tmp_path):
+    """transformers' DINOv3 runs at whatever size its processor resizes to: a checkpoint whose
+    preprocessor_config.json resizes to 96 x 96 (config.json: 64) is a 96-pixel tower, equal to HF there."""
+    import json
+
+    import transformers as tf
+
+    model = tf.DINOv3ViTModel(tf.DINOv3ViTConfig(**VISION, **CASES["registers"] | {"image_size": 64}))
+    _randomize(model, seed=9)
+    model.eval().save_pretrained(tmp_path)
+    processor = {"image_processor_type": "DINOv3ViTImageProcessor", "size": {"height": 96, "width": 96}}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor))
+    enc = encoder.load(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert enc.config.image_size == 96 and enc.preprocess_config.output_size == (96, 96)
+    pixel_values = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(pixel_values=pixel_values).pooler_output
+    batch = encoder.PatchBatch(to_patches(pixel_values, 16), torch.tensor([[1, 6, 6]] * 2))
+    for ours, r in zip(enc.encode(batch, "model"), ref, strict=True):
+        assert rel_err(ours, r) <= 1e-5
