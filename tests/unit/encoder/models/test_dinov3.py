@@ -11,6 +11,7 @@ import torch
 import encoder
 from encoder.config import Dinov3VisionConfig, from_hf_dict
 from encoder.loading.presets import PRESETS
+from encoder.patchify import preprocess
 from encoder.preprocessing.vit import IMAGENET_MEAN, VitPreprocessConfig
 from tests.graph_cases import rel_err
 from tests.images_util import random_image
@@ -142,3 +143,20 @@ def test_input_size_follows_the_image_processor(tmp_path):
     batch = encoder.PatchBatch(to_patches(pixel_values, 16), torch.tensor([[1, 6, 6]] * 2))
     for ours, r in zip(enc.encode(batch, "model"), ref, strict=True):
         assert rel_err(ours, r) <= 1e-5
+
+
+def test_preprocessing_against_float_resize():
+    """transformers' DINOv3ViTImageProcessor (torchvision; not installed here) rescales to float, resizes with
+    torch's antialiased bilinear interpolate and normalises; ours resizes the 8-bit image with PIL's bilinear
+    filter. Equal where no resize is needed; otherwise within about one 8-bit level (0.5 for the rounding)."""
+    import torch.nn.functional as F
+
+    pp = VitPreprocessConfig.for_model(PRESETS["dinov3-vitl16"])
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, pp.image_std))
+    for seed, (h, w) in enumerate([(224, 224), (300, 517), (1000, 80), (57, 29), (640, 480)]):
+        img = np.array(random_image("RGB", h, w, seed=seed))
+        x = torch.from_numpy(img).permute(2, 0, 1)[None].float() * (1 / 255)
+        x = F.interpolate(x, size=(224, 224), mode="bilinear", antialias=True, align_corners=False)
+        ref = to_patches((x - mean) / std, 16)
+        diff = (preprocess([img], pp).pixel_values - ref).abs() * std.max() * 255  # in 8-bit levels (at most)
+        assert diff.max() <= (1e-3 if (h, w) == (224, 224) else 1.25), (h, w, diff.max())
