@@ -55,10 +55,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class Dinov3PatchEmbeddings(nn.Linear):
-    """The Conv2d [D, C, P, P] of the checkpoints as a linear layer over the flattened patch."""
-
-
 class Dinov3Embeddings(nn.Module):
     def __init__(self, cfg: Dinov3VisionConfig):
         super().__init__()
@@ -67,7 +63,7 @@ class Dinov3Embeddings(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.mask_token = nn.Parameter(torch.zeros(1, 1, d))  # training only; in every checkpoint
         self.register_tokens = nn.Parameter(torch.zeros(1, cfg.num_register_tokens, d))
-        self.patch_embeddings = Dinov3PatchEmbeddings(cfg.patch_dim, d)
+        self.patch_embeddings = nn.Linear(cfg.patch_dim, d)  # a Conv2d [D, C, P, P] in checkpoints
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # [n * L, C*P*P] -> [n * T, D] float32: class token, registers, patch embeddings
@@ -98,12 +94,18 @@ class Dinov3Attention(nn.Module):
     def reads_fp8(self) -> bool:
         return takes_fp8(self.q_proj) and takes_fp8(self.k_proj) and takes_fp8(self.v_proj)
 
+    def qkv(self, x: torch.Tensor):
+        s, d = x.shape
+        return (
+            proj(x).view(s, self.num_heads, d // self.num_heads) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+
     def forward(self, x, cu_seqlens, max_seqlen, cos, sin):
         # x: [S, D] packed tokens (model dtype); cos, sin: [L, 1, hd] in the model dtype
         cfg = self.cfg
         s, d = x.shape
         heads, hd = self.num_heads, d // self.num_heads
-        q, k, v = (proj(x).view(s, heads, hd) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.qkv(x)
         prefix = 1 + cfg.num_register_tokens
         q, k = (t.view(-1, cfg.seq_len, heads, hd) for t in (q, k))  # [n, T, H, hd]
         q = torch.cat((q[:, :prefix], rotate(q[:, prefix:], cos, sin)), dim=1).view(s, heads, hd)
@@ -111,6 +113,36 @@ class Dinov3Attention(nn.Module):
         out = torch.empty(s, heads, hd, dtype=v.dtype, device=v.device)
         self.backend(q, k, v, cu_seqlens, max_seqlen, out)
         return self.o_proj(out.view(s, d))
+
+    def fused(self) -> Dinov3FusedAttention:
+        return Dinov3FusedAttention(self)
+
+
+class Dinov3FusedAttention(Dinov3Attention):
+    """The same attention with q, k and v in one [3D, D] GEMM; a projection without a bias (DINOv3's key) gets
+    zeros (exact: the same dot products, plus zero)."""
+
+    def __init__(self, like: Dinov3Attention):
+        nn.Module.__init__(self)
+        self.cfg, self.num_heads, self.backend = like.cfg, like.num_heads, like.backend
+        parts = (like.q_proj, like.k_proj, like.v_proj)
+        w = like.q_proj.weight
+        self.qkv_proj = nn.Linear(w.shape[1], 3 * w.shape[0], device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            self.qkv_proj.weight.copy_(torch.cat([p.weight for p in parts]))
+            self.qkv_proj.bias.copy_(torch.cat([p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0])
+                                                for p in parts]))  # fmt: skip
+        self.o_proj = like.o_proj  # after qkv_proj: the blocks' linear layers in execution order
+
+    def reads_fp8(self) -> bool:
+        return takes_fp8(self.qkv_proj)
+
+    def qkv(self, x: torch.Tensor):
+        s, d = x.shape
+        return self.qkv_proj(x).view(s, 3, self.num_heads, d // self.num_heads).unbind(1)
+
+    def fused(self) -> Dinov3FusedAttention:
+        return self
 
 
 class Dinov3MLP(nn.Module):
@@ -229,7 +261,9 @@ class Dinov3VisionTower(nn.Module):
         return self.layer
 
     def fuse(self, pad_mlp: int = 128) -> None:
-        """No layout changes yet (the blocks run as loaded)."""
+        """Exact inference-only layout change: q/k/v in one GEMM (the MLP widths are kept). Idempotent."""
+        for layer in self.layer:
+            layer.attention = layer.attention.fused()
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, pixel_values: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

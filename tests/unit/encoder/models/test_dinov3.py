@@ -160,3 +160,16 @@ def test_preprocessing_against_float_resize():
         ref = to_patches((x - mean) / std, 16)
         diff = (preprocess([img], pp).pixel_values - ref).abs() * std.max() * 255  # in 8-bit levels (at most)
         assert diff.max() <= (1e-3 if (h, w) == (224, 224) else 1.25), (h, w, diff.max())
+
+
+def test_fuse_is_exact(checkpoint):
+    """q/k/v in one GEMM (the key has no bias in DINOv3: zeros there) gives the same outputs."""
+    _, directory, _ = checkpoint
+    enc = encoder.load(str(directory), device="cpu", dtype=torch.float32)
+    images = [np.array(random_image("RGB", 70, 90, seed=s)) for s in range(2)]
+    before = enc.encode(images, "none")
+    enc.model.fuse()
+    enc.model.fuse()  # idempotent
+    assert all(hasattr(layer.attention, "qkv_proj") for layer in enc.model.layer)
+    for x, y in zip(enc.encode(images, "none"), before, strict=True):
+        assert rel_err(x, y) <= 1e-6
