@@ -1,4 +1,8 @@
-"""Image preprocessing for CLIP, SigLIP and DINOv2 towers, equal to transformers' PIL image processors.
+"""Image preprocessing for CLIP, SigLIP, DINOv2 and DINOv3 towers, equal to transformers' PIL image processors.
+
+DINOv3's processor has no PIL form: transformers resizes the rescaled float image (torch's antialiased
+bilinear); here DINOv3 images get PIL's bilinear resize of the 8-bit image like the others, about one 8-bit
+level away where a resize happens (`tests/unit/encoder/models/test_dinov3.py`).
 
 Pipeline (the same split as `encoder.preprocessing.qwen`, so the service ships compact uint8 pixels):
 
