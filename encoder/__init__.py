@@ -1,13 +1,16 @@
 """Vision towers, preprocessing, checkpoint loading and attention backends.
 
-Families: Qwen2-VL / Qwen2.5-VL (variable resolution, `encoder.models.qwen2`), CLIP / SigLIP (fixed
-resolution, `encoder.models.vit`) and SigLIP2 NaFlex (variable resolution, `encoder.models.vit`); models
-named by a preset, a checkpoint directory or a Hugging Face Hub id (`encoder.loading.hub.resolve_model`);
-poolings "none", "mean", "model", "mean-l2", "model-l2" (`encoder.api`).
+Families: Qwen2-VL / Qwen2.5-VL (variable resolution, `encoder.models.qwen2`), CLIP / SigLIP / DINOv2 / DINOv3
+(fixed resolution, `encoder.models.vit`, `encoder.models.dinov2`, `encoder.models.dinov3`) and SigLIP2 NaFlex
+(variable resolution, `encoder.models.vit`); models named by a preset, a checkpoint directory or a Hugging Face
+Hub id (`encoder.loading.hub.resolve_model`); poolings "none", "mean", "model", "mean-l2", "model-l2"
+(`encoder.api`).
 """
 
 from encoder.config import (
     ClipVisionConfig,
+    Dinov2VisionConfig,
+    Dinov3VisionConfig,
     Qwen2VLVisionConfig,
     Qwen3VLVisionConfig,
     Qwen25VLVisionConfig,
@@ -55,6 +58,8 @@ __all__ = [
     "ClipVisionConfig",
     "ConfigError",
     "DecodeTimeoutError",
+    "Dinov2VisionConfig",
+    "Dinov3VisionConfig",
     "DecodeWorkerError",
     "EncoderError",
     "ImageDecodeError",

@@ -5,7 +5,9 @@ Poolings (`encode(images, pooling=...)`; the same names in `workspace.GraphEncod
     the patch tokens of HF's `last_hidden_state` (CLIP without its class token).
   * "mean": the mean of those tokens, [dim].
   * "model": the model's own image embedding, [out_dim]: CLIP `image_embeds` (projected class
-    token), SigLIP `pooler_output` (attention-pooling head). CLIP / SigLIP only.
+    token), SigLIP `pooler_output` (attention-pooling head), DINOv2 / DINOv3 `pooler_output` (the normed class
+    token; "none" / "mean" are its patch tokens, class and register tokens excluded). Fixed-resolution
+    towers only.
   * "mean-l2", "model-l2": the same vector divided by its L2 norm (cosine-ready).
 The default (`pooling=None`) is `VisionEncoder.default_pooling`: "model" for CLIP / SigLIP, "none"
 for the Qwen towers (unchanged). `vector_pooling(config)` is the default one-vector-per-image
@@ -23,6 +25,8 @@ from encoder.attention import resolve_attention
 from encoder.config import (
     DTYPE_NAMES,
     ClipVisionConfig,
+    Dinov2VisionConfig,
+    Dinov3VisionConfig,
     Qwen3VLVisionConfig,
     Siglip2VisionConfig,
     SiglipVisionConfig,
@@ -32,6 +36,8 @@ from encoder.errors import ConfigError, InvalidArgumentError, RandomWeightsWarni
 from encoder.image_paths import preprocess_paths
 from encoder.loading.checkpoint import load_weights, read_image_processor
 from encoder.loading.hub import ResolvedModel, resolve_model
+from encoder.models.dinov2 import Dinov2VisionTower
+from encoder.models.dinov3 import Dinov3VisionTower
 from encoder.models.fp8 import quantize_blocks
 from encoder.models.geometry import frames_of
 from encoder.models.qwen2 import QwenVisionTower
@@ -49,8 +55,8 @@ from encoder.text_encoder import TextEncoder, load_text_side
 
 
 def is_fixed_resolution(config: VisionConfig) -> bool:
-    """CLIP / SigLIP: one image size, a fixed number of patches per image."""
-    return isinstance(config, ClipVisionConfig | SiglipVisionConfig)
+    """CLIP / SigLIP / DINOv2 / DINOv3: one image size, a fixed number of patches per image."""
+    return isinstance(config, ClipVisionConfig | SiglipVisionConfig | Dinov2VisionConfig | Dinov3VisionConfig)
 
 
 def has_model_embedding(config: VisionConfig) -> bool:
@@ -78,7 +84,8 @@ def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
             if p.dim() >= 2:
                 std = p.shape[-1] ** -0.5
                 residual_out = ("attn.proj.weight", "mlp.down_proj.weight", "mlp.fc2.weight", "attn.out_proj.weight",
-                                "mlp.linear_fc2.weight")  # fmt: skip
+                                "mlp.linear_fc2.weight", "attention.output.dense.weight",
+                                "mlp.weights_out.weight")  # fmt: skip
                 if name.endswith(residual_out):
                     # residual-branch outputs scaled by 1/sqrt(2 * depth) (GPT-2 style), so a random
                     # tower keeps its branches small against the stream as trained towers do;
@@ -445,6 +452,10 @@ def attention_plan(config: VisionConfig, device, dtype=None, attention=None) -> 
 def build_tower(config: VisionConfig, backend) -> torch.nn.Module:
     if isinstance(config, Qwen3VLVisionConfig):
         return Qwen3VisionTower(config, backend)
+    if isinstance(config, Dinov2VisionConfig):
+        return Dinov2VisionTower(config, backend)
+    if isinstance(config, Dinov3VisionConfig):
+        return Dinov3VisionTower(config, backend)
     if is_fixed_resolution(config) or isinstance(config, Siglip2VisionConfig):
         return build_vit_tower(config, backend)
     return QwenVisionTower(config, backend)

@@ -382,6 +382,98 @@ class Siglip2VisionConfig(BaseModel):
         return self.num_channels * self.patch_size**2
 
 
+class Dinov2VisionConfig(_VitVisionBase):
+    """DINOv2 / DINOv2 with registers (`Dinov2Model`, `Dinov2WithRegistersModel`): class token, register
+    tokens (with registers), a learned position table bicubically resized to the input grid, layer scale
+    on both branches, a final LayerNorm; `pooler_output` is the normed class token.
+
+    `image_size` is the side of the images the tower takes (the image processor's crop, 224 in the published
+    checkpoints); the position table's side is `position_image_size` (HF's `image_size`, 518 published).
+    """
+
+    family: Literal["dinov2"] = "dinov2"
+    image_size: int = Field(224, gt=0, description="Side of the (square) input image in pixels (the processor's crop).")
+    patch_size: int = Field(14, gt=0, description="Patch side in pixels.")
+    position_image_size: int = Field(
+        518, gt=0, description="HF's image_size: the position table has (position_image_size / patch_size)^2 rows."
+    )
+    layer_norm_eps: float = Field(1e-6, gt=0, description="LayerNorm epsilon.")
+    hidden_act: Literal["gelu", "quick_gelu", "gelu_pytorch_tanh"] = Field("gelu", description="MLP activation.")
+    use_swiglu_ffn: bool = Field(
+        False, description="SwiGLU MLP (giant): hidden (int(intermediate_size * 2/3) + 7) // 8 * 8."
+    )
+    qkv_bias: bool = Field(True, description="Biases on the q/k/v projections.")
+    num_register_tokens: int = Field(0, ge=0, description="Register tokens after the class token (with registers: 4).")
+    use_mask_token: bool = Field(True, description="The (training-only) mask token is in the checkpoint.")
+    interpolate_antialias: bool = Field(
+        False, description="Antialiased bicubic resize of the position table (HF's with-registers model)."
+    )
+
+    @property
+    def has_class_token(self) -> bool:
+        return True
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per image inside the blocks: class token, registers, patches."""
+        return 1 + self.num_register_tokens + self.num_patches
+
+    @property
+    def position_grid(self) -> int:
+        """Side of the learned position table (HF: sqrt(num_positions))."""
+        return self.position_image_size // self.patch_size
+
+    @property
+    def swiglu_dim(self) -> int:
+        return (int(self.intermediate_size * 2 / 3) + 7) // 8 * 8
+
+    @property
+    def out_dim(self) -> int:
+        return self.hidden_size
+
+
+class Dinov3VisionConfig(_VitVisionBase):
+    """DINOv3 ViT (`DINOv3ViTModel`): class and register tokens, 2D rotary position embedding on the patch
+    tokens (patch-centre coordinates in [-1, 1]), layer scale, a plain or gated MLP, a final LayerNorm;
+    `pooler_output` is the normed class token. `image_size` is the side the image processor resizes to."""
+
+    family: Literal["dinov3"] = "dinov3"
+    intermediate_size: int = Field(1536, gt=0, description="MLP hidden width.")
+    hidden_size: int = Field(384, gt=0, description="Hidden width of the blocks.")
+    num_attention_heads: int = Field(6, gt=0, description="Attention heads per block.")
+    patch_size: int = Field(16, gt=0, description="Patch side in pixels.")
+    hidden_act: Literal["gelu", "silu", "gelu_pytorch_tanh", "quick_gelu"] = Field(
+        "gelu", description="MLP activation."
+    )
+    rope_theta: float = Field(100.0, gt=0, description="Base of the rotary frequencies.")
+    query_bias: bool = True
+    key_bias: bool = False
+    value_bias: bool = True
+    proj_bias: bool = True
+    mlp_bias: bool = True
+    use_gated_mlp: bool = Field(False, description="Gated MLP: down(act(gate(x)) * up(x)).")
+    num_register_tokens: int = Field(0, ge=0, description="Register tokens after the class token.")
+
+    @model_validator(mode="after")
+    def _check_rotary(self):
+        if self.head_dim % 4:
+            raise ValueError(f"head size {self.head_dim} is not a multiple of 4 (2D rotary)")
+        return self
+
+    @property
+    def has_class_token(self) -> bool:
+        return True
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per image inside the blocks: class token, registers, patches."""
+        return 1 + self.num_register_tokens + self.num_patches
+
+    @property
+    def out_dim(self) -> int:
+        return self.hidden_size
+
+
 VitVisionConfig = ClipVisionConfig | SiglipVisionConfig
 QwenVisionConfig = Qwen2VLVisionConfig | Qwen25VLVisionConfig | Qwen3VLVisionConfig
 VisionConfig = (
@@ -391,6 +483,8 @@ VisionConfig = (
     | ClipVisionConfig
     | SiglipVisionConfig
     | Siglip2VisionConfig
+    | Dinov2VisionConfig
+    | Dinov3VisionConfig
 )
 
 _HF_ALIASES = {"in_chans": "in_channels", "spatial_patch_size": "patch_size"}
@@ -424,12 +518,17 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
         cls = SiglipVisionConfig
     elif own in ("siglip2", "siglip2_vision_model"):
         cls = Siglip2VisionConfig
+    elif own in _DINOV2_TYPES:
+        return _dinov2_from_hf(vision, own)
+    elif own == "dinov3_vit":
+        cls = Dinov3VisionConfig
     else:
         raise ConfigError(
             f"unknown model_type {sorted(k for k in kinds if k) or 'missing'}; supported: "
             "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe (full VLM or vision tower "
             "config.json), clip, siglip, siglip2 (full model, or "
-            "CLIPVisionModelWithProjection / SiglipVisionModel / Siglip2VisionModel config.json)"
+            "CLIPVisionModelWithProjection / SiglipVisionModel / Siglip2VisionModel config.json), dinov2, "
+            "dinov2_with_registers, dinov3_vit"
         )
     fields = {_HF_ALIASES.get(k, k): v for k, v in vision.items()}
     if cls in (Qwen2VLVisionConfig, Qwen25VLVisionConfig, Qwen3VLVisionConfig):
@@ -453,6 +552,35 @@ def from_hf_dict(vision: dict, model_type: str | None = None) -> VisionConfig:
     known = {k: v for k, v in fields.items() if k in cls.model_fields and k != "family"}
     try:
         return cls(**known)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid vision config: {validation_reason(exc)}") from exc
+    except ValueError as exc:
+        raise ConfigError(f"invalid vision config: {reason(exc)}") from exc
+
+
+_DINOV2_TYPES = ("dinov2", "dinov2_with_registers")
+
+
+def _dinov2_from_hf(vision: dict, model_type: str) -> Dinov2VisionConfig:
+    """A DINOv2 config.json: HF's image_size is the position table's; the MLP width is hidden * mlp_ratio."""
+    fields = dict(vision)
+    hidden = fields.get("hidden_size", Dinov2VisionConfig.model_fields["hidden_size"].default)
+    ratio = fields.get("mlp_ratio", 4)
+    if "image_size" in fields:
+        fields["position_image_size"] = fields.pop("image_size")
+    if isinstance(fields.get("position_image_size"), list | tuple):
+        size = fields["position_image_size"]
+        fields["position_image_size"] = size[0] if len(size) == 2 and size[0] == size[1] else size
+    if isinstance(hidden, int) and isinstance(ratio, int | float):
+        fields["intermediate_size"] = int(hidden * ratio)
+    with_registers = model_type == "dinov2_with_registers"
+    fields["num_register_tokens"] = fields.get("num_register_tokens", 4) if with_registers else 0
+    fields["interpolate_antialias"] = with_registers
+    if with_registers:
+        fields["use_mask_token"] = True  # HF's with-registers model always has it
+    known = {k: v for k, v in fields.items() if k in Dinov2VisionConfig.model_fields and k != "family"}
+    try:
+        return Dinov2VisionConfig(**known)
     except ValidationError as exc:
         raise ConfigError(f"invalid vision config: {validation_reason(exc)}") from exc
     except ValueError as exc:

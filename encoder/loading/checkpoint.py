@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
-from encoder.config import QwenVisionConfig, VisionConfig, from_hf_dict
+from encoder.config import Dinov2VisionConfig, Dinov3VisionConfig, QwenVisionConfig, VisionConfig, from_hf_dict
 from encoder.errors import CheckpointError, ConfigError, reason
 
 if TYPE_CHECKING:  # torch is imported where weights are read: checking a model (`build_app`'s preflight) needs none
@@ -76,9 +76,28 @@ def load_config(directory: Path) -> VisionConfig:
                 # CLIPModel's visual projection is sized by the top-level projection_dim
                 vision = {**vision, "projection_dim": raw["projection_dim"]}
             return from_hf_dict(vision, model_type=raw.get("model_type"))
-        return from_hf_dict(raw)
+        config = from_hf_dict(raw)
     except ConfigError as exc:
         raise CheckpointError(f"{directory / 'config.json'}: {exc}") from None
+    return dino_input_size(config, directory) if isinstance(config, Dinov2VisionConfig | Dinov3VisionConfig) else config
+
+
+def dino_input_size(config: Dinov2VisionConfig | Dinov3VisionConfig, directory: Path):
+    """A DINOv2 / DINOv3 tower takes the images its processor makes (transformers resizes DINOv2's position table
+    to any grid; DINOv3's rotary embedding needs no table): the square center crop (DINOv2) or square resize (DINOv3)
+    of the checkpoint's image processor, when it has one, is the tower's input size."""
+    found = read_image_processor(directory)
+    raw = found[0] if found is not None else {}
+    if isinstance(config, Dinov2VisionConfig):
+        crop = raw.get("crop_size") if raw.get("do_center_crop", True) else None
+    else:
+        crop = raw.get("crop_size") if raw.get("do_center_crop", False) else raw.get("size")
+    side = crop if isinstance(crop, int) and not isinstance(crop, bool) else None
+    if isinstance(crop, dict) and crop.get("height") == crop.get("width") and isinstance(crop.get("height"), int):
+        side = crop["height"]
+    if side is None or side < config.patch_size or side == config.image_size:
+        return config  # the processor check (`preprocessing.vit.check_matches_model`) explains what does not fit
+    return config.model_copy(update={"image_size": side})
 
 
 def read_weight_map(index: Path) -> dict[str, str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from encoder.config import (
     ClipVisionConfig,
+    Dinov2VisionConfig,
+    Dinov3VisionConfig,
     Qwen2VLVisionConfig,
     Qwen3VLVisionConfig,
     Qwen25VLVisionConfig,
@@ -77,6 +79,36 @@ PRESETS: dict[str, VisionConfig] = {
     "siglip2-base-16-naflex": Siglip2VisionConfig(),
     "siglip2-so400m-16-naflex": Siglip2VisionConfig(
         hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+    ),
+    # DINOv2 (random weights); published sizes from facebook/dinov2-* config.json (position table 518 px, input
+    # 224 px); giant has the SwiGLU MLP
+    "tiny-dinov2": Dinov2VisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=112,
+        patch_size=14, position_image_size=168,
+    ),
+    "dinov2-small": Dinov2VisionConfig(hidden_size=384, intermediate_size=1536, num_attention_heads=6),
+    "dinov2-base": Dinov2VisionConfig(),
+    "dinov2-large": Dinov2VisionConfig(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+    ),
+    "dinov2-giant": Dinov2VisionConfig(
+        hidden_size=1536, intermediate_size=6144, num_hidden_layers=40, num_attention_heads=24, use_swiglu_ffn=True,
+    ),
+    "dinov2-with-registers-large": Dinov2VisionConfig(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+        num_register_tokens=4, interpolate_antialias=True,
+    ),
+    # DINOv3 ViT (random weights); published sizes from facebook/dinov3-vit*16-pretrain-lvd1689m config.json
+    "tiny-dinov3": Dinov3VisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=128,
+        num_register_tokens=2,
+    ),
+    "dinov3-vits16": Dinov3VisionConfig(num_register_tokens=4),
+    "dinov3-vitb16": Dinov3VisionConfig(
+        hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_register_tokens=4,
+    ),
+    "dinov3-vitl16": Dinov3VisionConfig(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, num_register_tokens=4,
     ),
 }  # fmt: skip
 

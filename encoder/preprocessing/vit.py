@@ -1,11 +1,15 @@
-"""Image preprocessing for CLIP and SigLIP towers, equal to transformers' PIL image processors.
+"""Image preprocessing for CLIP, SigLIP, DINOv2 and DINOv3 towers, equal to transformers' PIL image processors.
+
+DINOv3's processor has no PIL form: transformers resizes the rescaled float image (torch's antialiased
+bilinear); here DINOv3 images get PIL's bilinear resize of the 8-bit image like the others, about one 8-bit
+level away where a resize happens (`tests/unit/encoder/models/test_dinov3.py`).
 
 Pipeline (the same split as `encoder.preprocessing.qwen`, so the service ships compact uint8 pixels):
 
     load_image (shared: decoding, size limits, EXIF, RGB rule)  ->  resize_crop (-> uint8 [S, S, 3])
     ->  patchify (uint8 on any device -> float32 patches, row-major, columns (C, P, P))
 
-`resize_crop` reproduces `CLIPImageProcessorPil` / `SiglipImageProcessorPil`:
+`resize_crop` reproduces `CLIPImageProcessorPil` / `SiglipImageProcessorPil` / `BitImageProcessorPil` (DINOv2):
   * resize the uint8 RGB image with PIL (bicubic by default, `reducing_gap=None`) either so its
     shortest edge equals `shortest_edge` (the long edge is `int(shortest_edge * long / short)`, as
     transformers computes it) or to exactly `height` x `width`;
@@ -31,7 +35,7 @@ import numpy as np
 from PIL import Image
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from encoder.config import ClipVisionConfig, VitVisionConfig
+from encoder.config import ClipVisionConfig, Dinov2VisionConfig, Dinov3VisionConfig, VitVisionConfig
 from encoder.errors import ConfigError, InvalidImageError, validation_reason
 from encoder.preprocessing.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ProcessorConfig, reject_unsupported_steps
 from encoder.preprocessing.image_guard import DEFAULT_LIMITS, ImageLimits
@@ -39,6 +43,8 @@ from encoder.preprocessing.images import DEFAULT_FORMATS, DEFAULT_MAX_IMAGE_PIXE
 
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
 SIGLIP_STD = (0.5, 0.5, 0.5)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # the published DINOv2 preprocessor_config.json
+IMAGENET_STD = (0.229, 0.224, 0.225)
 _PIL_FILTERS = {int(f) for f in Image.Resampling}
 
 
@@ -138,6 +144,12 @@ class VitPreprocessConfig(ProcessorConfig):
         s = cfg.image_size
         if isinstance(cfg, ClipVisionConfig):
             kwargs = dict(shortest_edge=s, crop_height=s, crop_width=s)
+        elif isinstance(cfg, Dinov2VisionConfig):  # published: shortest edge 256, crop 224, ImageNet mean/std
+            kwargs = dict(shortest_edge=s * 256 // 224, crop_height=s, crop_width=s, image_mean=IMAGENET_MEAN,
+                          image_std=IMAGENET_STD)  # fmt: skip
+        elif isinstance(cfg, Dinov3VisionConfig):  # DINOv3ViTImageProcessor: square bilinear resize, ImageNet
+            kwargs = dict(height=s, width=s, resample=int(Image.Resampling.BILINEAR), image_mean=IMAGENET_MEAN,
+                          image_std=IMAGENET_STD)  # fmt: skip
         else:
             kwargs = dict(height=s, width=s, image_mean=SIGLIP_MEAN, image_std=SIGLIP_STD)
         try:
@@ -153,7 +165,8 @@ class VitPreprocessConfig(ProcessorConfig):
         another rescale factor, padding, a shortest+longest edge rule) and when the processed image
         does not have the model's size (transformers' model would refuse it too).
         """
-        clip = isinstance(cfg, ClipVisionConfig)
+        # DINOv2's BitImageProcessor defaults as CLIP's: shortest edge, center crop, CLIP mean/std
+        clip = isinstance(cfg, ClipVisionConfig | Dinov2VisionConfig)
         reject_unsupported_steps(d)
         if d.get("do_pad"):
             raise ConfigError("preprocessor config sets do_pad=true, which this encoder does not support")
@@ -182,9 +195,15 @@ class VitPreprocessConfig(ProcessorConfig):
                 kwargs[key] = tuple(value) if isinstance(value, list | tuple) else (value,) * 3
         if "resample" in d and d["resample"] is not None:
             kwargs["resample"] = d["resample"]
-        defaults = cls.for_model(cfg)
-        kwargs.setdefault("image_mean", defaults.image_mean)
-        kwargs.setdefault("image_std", defaults.image_std)
+        elif isinstance(cfg, Dinov3VisionConfig):
+            kwargs["resample"] = int(Image.Resampling.BILINEAR)
+        if isinstance(cfg, Dinov2VisionConfig):  # BitImageProcessor's class defaults
+            mean, std = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+        else:
+            defaults = cls.for_model(cfg)
+            mean, std = defaults.image_mean, defaults.image_std
+        kwargs.setdefault("image_mean", mean)
+        kwargs.setdefault("image_std", std)
         try:
             pp = cls(**kwargs)
         except ValidationError as e:

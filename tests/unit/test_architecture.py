@@ -16,7 +16,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("encoder", "workspace", "deployments")
 RAY_COMPAT = "deployments.ray_compat"
-TOWERS = ("encoder.models.qwen2", "encoder.models.qwen3", "encoder.models.vit", "encoder.models.text")
+TOWERS = (
+    "encoder.models.qwen2",
+    "encoder.models.qwen3",
+    "encoder.models.vit",
+    "encoder.models.text",
+    "encoder.models.dinov2",
+    "encoder.models.dinov3",
+)
 TORCH_FREE = ("encoder.preprocessing", "deployments.ingress.deployment")  # packages whose modules never import torch
 
 

@@ -1,5 +1,6 @@
-"""CLIP and SigLIP (fixed-resolution towers) in the graph runner, eager on CPU, against the eager encoder, and in
-the batch job's actor (no Ray). The towers against Hugging Face are `test_clip_siglip.py`."""
+"""CLIP, SigLIP, DINOv2 and DINOv3 (fixed-resolution towers) in the graph runner, eager on CPU, against the eager
+encoder, and in the batch job's actor (no Ray). The towers against Hugging Face are `test_clip_siglip.py`,
+`test_dinov2.py`, `test_dinov3.py`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from workspace.tables import fixed_table, image_count_table
 
 
 # SigLIP's graph-runner tests (10 s on the loaded CI box) run in the full suite; CLIP's stay in -m "not slow"
-@pytest.fixture(scope="module", params=["tiny-clip", pytest.param("tiny-siglip", marks=pytest.mark.slow)])
+@pytest.fixture(
+    scope="module",
+    params=["tiny-clip", pytest.param("tiny-siglip", marks=pytest.mark.slow), "tiny-dinov2", "tiny-dinov3"],
+)
 def pair(request):
     enc = encoder.load(request.param, device="cpu")
     # buckets of 1, 2, 4 and 8 images: batches cross bucket edges and split into several replays

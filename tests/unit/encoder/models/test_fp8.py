@@ -149,7 +149,9 @@ def test_fp8_linear_reference_is_nn_linear_within_the_quantisation_bound(bias):
     assert torch.nn.functional.cosine_similarity(got.reshape(-1, 48), want.reshape(-1, 48)).min() > 0.99
 
 
-TINY = ["tiny", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-clip", "tiny-siglip", "tiny-siglip2"]
+TINY = [
+    "tiny", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-clip", "tiny-siglip", "tiny-siglip2", "tiny-dinov2", "tiny-dinov3",
+]  # fmt: skip
 # the linear layers of one block after `fuse()`, per tower: what the conversion must replace, and nothing else
 BLOCK_LINEARS = {
     "tiny": ("attn.qkv", "attn.proj", "mlp.gate_up", "mlp.down_proj"),
@@ -158,6 +160,8 @@ BLOCK_LINEARS = {
     "tiny-clip": ("self_attn.qkv_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"),
     "tiny-siglip": ("self_attn.qkv_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"),
     "tiny-siglip2": ("self_attn.qkv_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"),
+    "tiny-dinov2": ("attention.qkv_proj", "attention.output.dense", "mlp.fc1", "mlp.fc2"),
+    "tiny-dinov3": ("attention.qkv_proj", "attention.o_proj", "mlp.up_proj", "mlp.down_proj"),
 }
 
 
@@ -196,7 +200,8 @@ def test_conversion_replaces_exactly_the_blocks_linear_layers(name):
                                    "visual_projection") for n in kept)  # fmt: skip
     # attention backends untouched; the GEMM widths fit _scaled_mm (multiples of 16)
     assert all(
-        getattr(b, "attn", getattr(b, "self_attn", None)).backend is not None for b in tower.transformer_blocks()
+        getattr(b, "attn", getattr(b, "self_attn", getattr(b, "attention", None))).backend is not None
+        for b in tower.transformer_blocks()
     )
     assert all(
         m.in_features % 16 == 0 and m.out_features % 16 == 0 for m in tower.modules() if isinstance(m, Fp8Linear)

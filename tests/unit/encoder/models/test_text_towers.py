@@ -293,14 +293,18 @@ def test_siglip2_through_load_searches_images_by_text(tmp_path):
         ref = model.get_text_features(**inputs).pooler_output
     assert rel_err(torch.stack(enc.encode_text(TEXTS)), ref) <= 1e-5
     gen = torch.Generator().manual_seed(3)
-    images = [torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy() for h, w in ((40, 64), (72, 24))]
+    sizes = ((40, 64), (72, 24))
+    images = [torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy() for h, w in sizes]
     image = torch.stack(enc.encode(images, pooling="model"))
     text = torch.stack(enc.encode_text(TEXTS))
     logits = enc.text.logits(image, text)
     assert logits.shape == (len(images), len(TEXTS)) and torch.isfinite(logits).all()
-    want = model.logit_scale.exp() * torch.nn.functional.normalize(image, dim=-1) @ torch.nn.functional.normalize(
-        ref, dim=-1
-    ).t() + model.logit_bias
+    want = (
+        model.logit_scale.exp()
+        * torch.nn.functional.normalize(image, dim=-1)
+        @ torch.nn.functional.normalize(ref, dim=-1).t()
+        + model.logit_bias
+    )
     assert rel_err(logits, want.detach()) <= 1e-5
 
 
