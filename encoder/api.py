@@ -469,11 +469,13 @@ def load(
     attention: str | Mapping[str, str] | None = None,
     seed: int = 0,
     quantization: str | None = None,
+    text: bool = True,
 ) -> VisionEncoder:
     """A `VisionEncoder` from a preset name (random weights; warns), a local checkpoint directory or a
     Hugging Face Hub id `org/name[@revision]` (`encoder.loading.hub.resolve_model`, which runs first: a bad
     model fails before anything is built). `quantization="fp8"`: the blocks' linear layers in float8 e4m3
-    (`quantize_tower`; CUDA, compute capability 8.9 or newer, bfloat16)."""
+    (`quantize_tower`; CUDA, compute capability 8.9 or newer, bfloat16). `text=False`: the text tower is not
+    loaded even where the checkpoint has one (`supports_text` is then False)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an int, got {type(seed).__name__}")
     if quantization is not None:  # before the model is resolved: a Hub id's weights are not downloaded in vain
@@ -507,7 +509,9 @@ def load(
         init_random_weights(tower, seed)
     tower = tower.to(device=device, dtype=dtype).eval()
     quantize_tower(tower, quantization)  # after the weights and the cast: scales from the final bf16 weights
-    text = load_text_side(path, device, dtype) if path is not None else None
+    # the text tower with its tokenizer, where the checkpoint has both (`text=False`: images only, e.g. a service
+    # replica or a batch job that serves no text: no text weights on the GPU)
+    text = load_text_side(path, device, dtype) if path is not None and text else None
     if source.random_weights:
         RandomWeightsWarning.warn(source.name, stacklevel=2)  # at the line that called load
     return VisionEncoder(config, tower, pp, name=source.name, source=source, quantization=quantization, text=text)

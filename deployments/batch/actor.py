@@ -126,7 +126,8 @@ class EncoderActor:
         # the driver warned once that a preset's weights are random (`embed_dataset`), and the ready line below marks
         # them; every actor repeating it in warnings' file:line form is noise. The actor's process is its own
         warnings.filterwarnings("ignore", category=encoder.RandomWeightsWarning)
-        self.vision = encoder.load(model, dtype=dtype, attention=attention, quantization=quantization)
+        # images only (no text column yet): no text weights on the GPU
+        self.vision = encoder.load(model, dtype=dtype, attention=attention, quantization=quantization, text=False)
         if preprocess_config is not None and preprocess_config != self.vision.preprocess_config:
             raise InvalidArgumentError("the decode stage's preprocessing differs from the model's (driver/actor drift)")
         self.pp = self.vision.preprocess_config

@@ -88,7 +88,7 @@ class EncoderReplica:
         warnings.filterwarnings("ignore", category=encoder.RandomWeightsWarning)
         vision = encoder.load(
             a.model, device=self.device_name, dtype=a.dtype, attention=a.attention, seed=a.seed,
-            quantization=a.quantization,
+            quantization=a.quantization, text=False,  # the service embeds images only: no text weights on the GPU
         )  # fmt: skip
         self.pp = vision.preprocess_config
         plan = replica_plan(a, vision, self.device_name)

@@ -287,6 +287,8 @@ def test_siglip2_through_load_searches_images_by_text(tmp_path):
     model, _ = write_siglip(tmp_path, "siglip2")
     enc = encoder.load(str(tmp_path), device="cpu", dtype=torch.float32)
     assert enc.supports_text and type(enc.config).__name__ == "Siglip2VisionConfig"
+    images_only = encoder.load(str(tmp_path), device="cpu", dtype=torch.float32, text=False)
+    assert not images_only.supports_text and images_only.text is None
     hf_tok = tf.AutoTokenizer.from_pretrained(tmp_path)
     inputs = hf_tok(TEXTS, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
     with torch.no_grad():
