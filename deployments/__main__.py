@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from deployments.ray_compat import (
+        OVERLAP_SERVE_START_CPUS,
         describe_request_path,
         is_loopback,
         loopback_only_node,
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         quiet_single_node_warning,
         quiet_token_auth_notice,
         serve_stopping,
+        start_serve,
+        wait_for_proxies,
     )
 
     if s.quiet_serve:  # the controller's INFO lines logged before its level is set
@@ -191,12 +194,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Serve's system actors log a dozen INFO lines per start and stop (endpoints, replicas added and stopped, a
         # router object's repr) around the app's own summary; the deployments keep their own logging_config
+        # on a box with the cores for it, the proxies (HAProxy and its actor: seconds) start while serve.run
+        # creates the replicas (`start_serve`)
+        overlap = (os.cpu_count() or 1) >= OVERLAP_SERVE_START_CPUS
         if not stop.is_set():
-            serve.start(http_options=s.http_options, logging_config=s.logging_config, proxy_location=s.proxy_location)
+            if overlap:
+                start_serve(s.http_options, s.logging_config, s.proxy_location)
+            else:
+                serve.start(
+                    http_options=s.http_options, logging_config=s.logging_config, proxy_location=s.proxy_location
+                )
             started = True
         if not stop.is_set():
             serve.run(app, name=s.name, route_prefix="/", blocking=False)
             deployed = True
+            if overlap:
+                wait_for_proxies()
             host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
             if address == "local":  # chosen here: the fast one unless asked otherwise
                 path = describe_request_path(hint="drop --request-path default for the fast one")

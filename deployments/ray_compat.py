@@ -1,6 +1,6 @@
 """Every private Ray API this service relies on, in one place, checked at start-up (`check_ray`).
 
-Ray Serve's public API covers the rest; these fourteen have no public equivalent in Ray 2.60 (the range tested
+Ray Serve's public API covers the rest; these fifteen have no public equivalent in Ray 2.60 (the range tested
 is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what was tried instead:
 
 * `call_as_new_request`: a handle call with a fresh internal request id. Serve gives every handle call
@@ -93,6 +93,17 @@ is `TESTED_RAY`, pinned in pyproject.toml). Each says why it is needed and what 
   is first imported (usually before ours), and which every Ray process the driver starts would inherit (the
   ingress replicas' routers too).
 
+* `start_serve(...)`: `serve.start` less its wait for the proxies: the controller is created
+  (`ray.serve._private.api._create_controller_and_proxy_refs`) and made this process's Serve client
+  (`ray.serve.context._set_global_client`); the launcher then waits for the proxies' status (public) after
+  `serve.run`. `serve.start` waits for the proxies first, so the replicas were created only after
+  HAProxy and its proxy actor were up: 10.5 s of the launcher's cold start on the H100 box (2026-12-06), now
+  spent while the encoder replica loads and captures. Tried instead: `serve.run` alone (it calls the same
+  `serve_start`, which waits) and `serve.start` in a thread beside `serve.run` (two controllers could race). Only on
+  boxes of 8 cores or more (`OVERLAP_SERVE_START_CPUS`): Ray starts as many worker processes at once as it has CPUs,
+  and on the 2-core CI box the replicas' workers held the proxy's back past the controller's readiness check,
+  which then killed and restarted it (a slower start, and its warnings printed).
+
 The fast request path's environment (`FAST_PATH_ENV`, and the HAProxy bounds `PROXY_BOUNDS_ENV`) lives here too: the
 names and values are Ray Serve's knobs, read by each Ray process when it starts (`ray.serve._private.constants`), so
 no runtime_env can switch them.
@@ -132,6 +143,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")
 
 TESTED_RAY = ((2, 60), (2, 61))  # [low, high) of (major, minor): what pyproject.toml pins
+OVERLAP_SERVE_START_CPUS = 8  # `start_serve`: fewer cores, and the launcher waits for the proxies first
 QUICK_POLL_S = 0.1  # Serve's client waits between looks at the controller (its default: 1.0)
 # the module (and so the logger name) that announces token authentication at a local start
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
@@ -287,6 +299,24 @@ def _missing() -> list[str]:
         replica
     ):
         missing.append('ray.serve._private.replica.add_port_to_grpc_server(server, "[::]:0")')
+    # `start_serve`: the controller created without waiting for the proxies, then made the global client
+    from ray.serve import context as serve_context
+    from ray.serve._private import api as serve_api
+
+    create = getattr(serve_api, "_create_controller_and_proxy_refs", None)
+    if not callable(create) or list(inspect.signature(create).parameters)[:6] != [
+        "http_options",
+        "grpc_options",
+        "global_logging_config",
+        "global_tracing_config",
+        "controller_options",
+        "proxy_location",
+    ]:
+        missing.append("ray.serve._private.api._create_controller_and_proxy_refs")
+    if not callable(getattr(serve_api, "_coerce_controller_options", None)):
+        missing.append("ray.serve._private.api._coerce_controller_options")
+    if not callable(getattr(serve_context, "_set_global_client", None)):
+        missing.append("ray.serve.context._set_global_client")
     return missing
 
 
@@ -521,6 +551,40 @@ def quiet_serve_system_info() -> None:
     """Print Serve's controller and proxy lines at WARNING and above only (see the module docstring): for `serve
     run`'s driver, before it connects. Idempotent; every other process's lines pass."""
     _print_only("serve_system_info", without_serve_system_info)
+
+
+def start_serve(http_options, logging_config, proxy_location) -> None:
+    """`serve.start(http_options=..., logging_config=..., proxy_location=...)` without its wait for the proxies
+    (see the module docstring); `wait_for_proxies` waits for them once `serve.run` has started the replicas."""
+    from ray.serve import context as serve_context
+    from ray.serve._private import api as serve_api
+    from ray.serve._private.client import ServeControllerClient
+
+    controller, proxy_refs = serve_api._create_controller_and_proxy_refs(
+        http_options, None, logging_config, None, serve_api._coerce_controller_options(None), proxy_location
+    )
+    del proxy_refs  # the controller may replace a proxy slow to start: `wait_for_proxies` asks for their status
+    serve_context._set_global_client(ServeControllerClient(controller))
+
+
+def wait_for_proxies(poll_s: float = 0.1) -> None:
+    """What `serve.start` waits for: every proxy Serve runs HEALTHY (`serve.status()`), within Serve's own
+    limit (TimeoutError past it). By status, not by the first proxy's readiness ref: the controller replaces a
+    proxy that is slow to come up, and the replacement is the one that serves."""
+    import time
+
+    from ray import serve
+    from ray.serve._private.constants import HTTP_PROXY_TIMEOUT
+    from ray.serve.schema import ProxyStatus
+
+    deadline = time.monotonic() + HTTP_PROXY_TIMEOUT
+    while True:
+        proxies = serve.status().proxies
+        if proxies and all(status == ProxyStatus.HEALTHY for status in proxies.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"HTTP proxies not available after {HTTP_PROXY_TIMEOUT}s: {dict(proxies)}")
+        time.sleep(poll_s)
 
 
 def quick_serve_polls() -> None:
