@@ -29,7 +29,8 @@
 #   cold     issue 45.2: benchmarks/cold_start.py, 4 starts of README command 1 from a local 7B checkpoint
 #            (written first from the preset); needs the Ray pack
 #   launcher issue 45.1: README command 1 as a newcomer runs it (python -m deployments, nothing exported) with the 7B
-#            preset, fast path with the engine phase beside, then --request-path default (needs the Ray pack)
+#            preset, fast path with the engine phase beside (needs the Ray pack)
+#   launcherdefault  the same with --request-path default, no engine phase
 #   service  benchmarks/service.py, HAProxy/throughput mode, 2 replicas per GPU, router comparison
 #   service1 the same with 1 replica per GPU, no router comparison
 #   servicedefault  2 replicas per GPU through Ray's default request path (Python proxy, actor calls)
@@ -84,8 +85,8 @@ for s in $steps; do
     quick) timeout $(budget 120) python3 -m benchmarks.engine --backends triton --no-hf > "$OUT/engine_quick.md" 2>&1 ;;
     launcher) timeout $(budget 240) env RAY_AUTH_MODE=token python3 -m benchmarks.service --model qwen2.5-vl-7b \
                 --launcher fast --client-procs 4 --duration 6 --launcher-log "$OUT/launcher_fast.log" \
-                > "$OUT/launcher_fast.md" 2> "$OUT/launcher_fast.err"
-              timeout $(budget 200) env RAY_AUTH_MODE=token python3 -m benchmarks.service --model qwen2.5-vl-7b \
+                > "$OUT/launcher_fast.md" 2> "$OUT/launcher_fast.err" ;;
+    launcherdefault) timeout $(budget 200) env RAY_AUTH_MODE=token python3 -m benchmarks.service --model qwen2.5-vl-7b \
                 --launcher default --client-procs 4 --duration 6 --skip engine --launcher-log "$OUT/launcher_default.log" \
                 > "$OUT/launcher_default.md" 2> "$OUT/launcher_default.err" ;;
     fp8) timeout $(budget 200) python3 -m pytest -q -p no:cacheprovider tests/unit/encoder/models/test_fp8_gpu.py 2>&1 | tail -15 > "$OUT/fp8_tests.txt"
