@@ -7,7 +7,7 @@
 #   all      util tests bench clip startup qwen3 profile attn, in that order (what fits in BUDGET_S runs)
 #   util     issue 45's utilisation rows, quickly: benchmarks/engine.py, auto backend, no HF, Qwen3-VL-8B and
 #            Qwen2.5-VL-7B at 8x896 and 32x224 (whole-forward FLOP/s against the burst and the sustained peak)
-#   tests    pytest -m gpu (attention, engine, preprocessing, kernels, CLIP/SigLIP, SigLIP2)
+#   tests    pytest -m gpu (attention, engine, preprocessing, kernels, CLIP/SigLIP, SigLIP2, text graphs)
 #   attn     benchmarks/attention.py --check
 #   bench    benchmarks/engine.py (every backend, HF beside); quick: triton only, no HF
 #   startup  benchmarks/startup.py (model load, then every graph's capture), qwen2.5-vl-7b, auto
@@ -73,7 +73,7 @@ for s in $steps; do
               --json "$OUT/util_$m.json" --markdown "$OUT/util_$m.md" > "$OUT/util_$m.log" 2>&1
           done ;;
     startup) timeout $(budget 240) python3 -m benchmarks.startup --model qwen2.5-vl-7b > "$OUT/startup.json" 2> "$OUT/startup.log" ;;
-    tests) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/attention/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/preprocessing/test_preprocess.py tests/unit/encoder/kernels/test_kernels.py tests/unit/encoder/models/test_clip_siglip_gpu.py tests/unit/encoder/models/test_siglip2_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
+    tests) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/attention/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/preprocessing/test_preprocess.py tests/unit/encoder/kernels/test_kernels.py tests/unit/encoder/models/test_clip_siglip_gpu.py tests/unit/encoder/models/test_siglip2_gpu.py tests/unit/workspace/test_text_graphs_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
     attn) timeout $(budget 120) python3 -m benchmarks.attention --check > "$OUT/attention.md" 2>&1 ;;
     bench) timeout $(budget 400) python3 -m benchmarks.engine --json "$OUT/engine.json" --markdown "$OUT/engine_table.md" \
              > "$OUT/engine.md" 2>&1 ;;
