@@ -15,6 +15,7 @@
 #            beside), then the Qwen2.5-VL-7B triton row with HF beside (the no-regression check)
 #   profile  benchmarks/profile_engine.py
 #   clip     benchmarks/clip.py
+#   text     benchmarks/text.py (issue 46: CLIP ViT-L/14's text tower, graph replay vs eager vs HF, 1 and 256 texts)
 #   batch    benchmarks/batch.py --as-checkpoint (20,000 224x224 JPEGs)
 #   batch100k  the same with 100,000 JPEGs (start-up amortised)
 #   ckpt     export the qwen2.5-vl-7b preset to /tmp/ckpt-7b (replicas then load it instead of drawing weights)
@@ -112,6 +113,7 @@ for s in $steps; do
           tar -czf "$OUT/cold_logs.tgz" -C /tmp cold 2> /dev/null ;;
     profile) timeout $(budget 120) python3 -m benchmarks.profile_engine > "$OUT/profile.txt" 2>&1 ;;
     clip) timeout $(budget 150) python3 -m benchmarks.clip > "$OUT/clip.md" 2>&1 ;;
+    text) timeout $(budget 150) python3 -m benchmarks.text --json "$OUT/text.json" > "$OUT/text.md" 2>&1 ;;
     batch) timeout $(budget 240) python3 -m benchmarks.batch --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \
              > "$OUT/batch.log" 2>&1 ;;
     batch100k) timeout $(budget 400) python3 -m benchmarks.batch --as-checkpoint --num-images 100000 \
