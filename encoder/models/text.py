@@ -2,7 +2,9 @@
 
 Every text is `seq_len` tokens (the tokenizer pads and truncates to the model's
 `max_position_embeddings`: CLIP 77, SigLIP 64), so a batch is one [B, S] tensor of token ids and the
-forward has fixed shapes and no host synchronisation: a graph runner can capture it per [B, S].
+forward has fixed shapes and no host synchronisation: a graph runner can capture it per [B, S]
+(`workspace.text_runner`, through `encoder.models.tower.TextGraphTower`). CLIP's outputs depend only on the
+columns up to each text's EOS (`output_spans`), so its graphs may run fewer columns; SigLIP's need all of them.
 
 Parameter names mirror the Hugging Face text models (`embeddings.token_embedding`,
 `encoder.layers.N.self_attn.q_proj`, `final_layer_norm`; CLIP's `text_projection`, SigLIP's `head`), so

@@ -19,6 +19,9 @@ The static buffers a bucket needs are the same for every tower today: packed pat
 `[budget, patch_dim]` and the per-frame grid `[max_images, 2]` (rows of (h, w) in patches; zero rows
 are empty slots). Everything else (segments, rotary tables, window permutation, position
 interpolation weights) is computed by the body from those two, inside the graph.
+
+Text towers answer `TextGraphTower` for `workspace.text_runner`: their static buffers are token ids and mask
+[texts, columns], and they say which leading columns each text's output depends on.
 """
 
 from __future__ import annotations
