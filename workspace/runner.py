@@ -105,7 +105,10 @@ class GraphRunner:
         self.stats = RunnerStats()
         self.workspaces: dict[GraphShape, Workspace] = {}
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
-        self._lock = threading.Lock()
+        # the graphs' memory pool (None until captured) and the lock that orders replays: the text graphs
+        # (`workspace.text_runner`) capture into the same pool, so they take the same lock
+        self.pool = None
+        self.lock = threading.Lock()
         per_image = tower.patches_per_image
         for key in table.keys:
             if per_image is not None and key.budget != key.max_images * per_image:
@@ -162,7 +165,7 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved(self.device)
@@ -248,7 +251,7 @@ class GraphRunner:
         out_means: list[torch.Tensor | None] = [None] * n
         out_pooled: list[torch.Tensor | None] = [None] * n
         out_deep: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        with self._lock:
+        with self.lock:
             for pack in self._packs(counts, grid):
                 in_bucket = pack.key is not None
                 run = self._run_bucket if in_bucket else self._run_eager
