@@ -13,6 +13,8 @@ from encoder.attention import describe_backend, graph_token_cap
 from encoder.errors import InvalidArgumentError
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
+from encoder.text_encoder import check_text_pooling
+from encoder.tokenization import check_texts
 from workspace.runner import GraphRunner
 from workspace.tables import engine_table, shape_of_encoder
 
@@ -176,6 +178,35 @@ class GraphEncoder:
         flat = torch.cat(out.tokens + [d[k] for k in range(layers) for d in out.deepstack]).to(dtype)
         host, event = to_host(flat)
         return PendingLLM(host, event, [t.shape[0] for t in out.tokens], layers, batch.grid_thw.tolist())
+
+    # -- text (CLIP / SigLIP checkpoints with their tokenizer) ---------------------------------
+    @property
+    def supports_text(self) -> bool:
+        """True when `encode_text` works (the wrapped `VisionEncoder`'s)."""
+        return self.encoder.supports_text
+
+    def text_tokens(self, texts: list[str]) -> list[int]:
+        """Per text, its real (non-pad) tokens after truncation, special tokens included (`usage.prompt_tokens`)."""
+        return self.encoder.text_tokens(texts)
+
+    @torch.inference_mode()
+    def encode_text(self, texts: list[str], pooling: str | None = None) -> list[torch.Tensor]:
+        """Per text, one float32 CPU vector [out_dim], as `VisionEncoder.encode_text` (same poolings and errors)."""
+        text = self.encoder.text_side()
+        pooling = check_text_pooling(pooling)
+        texts = check_texts(texts)
+        if not texts:
+            return []
+        ids, mask = text.tokenize(texts)
+        return self.encode_text_ids(ids, mask, pooling)
+
+    @torch.inference_mode()
+    def encode_text_ids(self, ids: torch.Tensor, mask: torch.Tensor, pooling: str | None = None) -> list[torch.Tensor]:
+        """`encode_text` of pre-tokenized texts: `ids` and `mask` [B, seq_len] int64, as the model's tokenizer
+        writes them (`VisionEncoder.text.tokenize`). InvalidArgumentError naming `ids` / `mask` for a bad input."""
+        text = self.encoder.text_side()
+        pooling = check_text_pooling(pooling)
+        return text.encode_ids(ids, mask, pooling)
 
     def stats(self) -> dict:
         """The runner's counters, plus the attention backend of each layer kind (for `auto`: which
