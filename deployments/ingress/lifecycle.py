@@ -199,12 +199,13 @@ class Lifecycle:
         flight.decode_at = decode_at = time.perf_counter()
         reserve = partial(self._admission.reserve_patches, flight.ticket)
         images = None
+        if text is not None:
+            text_pooling = resolve_text_pooling(order.pooling, text)
+            self._check_dimensions(order.dimensions, text["output_dims"][text_pooling], text_pooling)
         if order.images:
             pooling = resolve_pooling(order.pooling, info, self.args.model_name)
             self._check_dimensions(order.dimensions, info["output_dims"][pooling], pooling)
         if text is not None:
-            text_pooling = resolve_text_pooling(order.pooling, text)
-            self._check_dimensions(order.dimensions, text["output_dims"][text_pooling], text_pooling)
             reserve(len(order.texts) * text["seq_len"])  # what they hold on the device: the tower's fixed length
         if order.images:
             pp = info["preprocess_config"]
