@@ -3,7 +3,7 @@
 It loads the model with its text side (`encoder.load`: a checkpoint with a text tower and its tokenizer) into a
 `workspace.GraphEncoder`, tokenizes each batch's texts with the model's tokenizer (cut to the tower's length as
 the tokenizer does) and adds the `embedding` column; null and empty texts are error rows
-(`deployments.batch.texts.text_row_error`). Layout: as an image job's vectors (`deployments.batch.columns`).
+(`text_row_error`). Layout: as an image job's vectors (`deployments.batch.columns`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,19 @@ import pyarrow as pa
 
 import encoder
 from deployments.batch.columns import EMBEDDING, ERROR, fixed_size_list
-from deployments.batch.texts import text_row_error
 from encoder.attention import graph_token_cap
 from encoder.errors import InvalidArgumentError
 from workspace.graph_encoder import GraphEncoder
 from workspace.tables import process_plan, shape_of_encoder
+
+
+def text_row_error(value) -> str | None:
+    """Why a text cell cannot be embedded (its row's `error`), or None."""
+    if value is None:
+        return "InvalidArgumentError: text is null"
+    if not value:
+        return "InvalidArgumentError: text is an empty string"
+    return None
 
 
 class TextEncoderActor:

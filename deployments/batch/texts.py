@@ -4,7 +4,7 @@ A text job embeds a string column with the model's text tower (CLIP, SigLIP2 wit
 the images' embedding space: the same parts, manifest and resume as an image job, and the same output layout
 (every input column but the embedded one, then `embedding` and `error`). There is no decode stage: rows go to
 the text encoder actors (`deployments.batch.text_actor.TextEncoderActor`), `TEXT_ROWS_PER_BATCH` at a time;
-a null or empty text is an error row (its `error` column), as a bad image is.
+a null or empty text is an error row (its `error` column), as a bad image is (`text_actor.text_row_error`).
 """
 
 from __future__ import annotations
@@ -37,15 +37,6 @@ def check_text_schema(schema: pa.Schema, text_column: str) -> None:
         raise InvalidArgumentError(
             f"input column(s) {', '.join(clash)} would be overwritten by the output; rename them first"
         )
-
-
-def text_row_error(value) -> str | None:
-    """Why a text cell cannot be embedded (its row's `error`), or None."""
-    if value is None:
-        return "InvalidArgumentError: text is null"
-    if not value:
-        return "InvalidArgumentError: text is an empty string"
-    return None
 
 
 def text_pooling(pooling: str | None) -> str:
