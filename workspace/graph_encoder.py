@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
-from encoder.attention import describe_backend, graph_token_cap
+from encoder.attention import describe_backend, graph_token_cap, missing_faster_backend
 from encoder.errors import InvalidArgumentError
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
@@ -236,6 +236,11 @@ class GraphEncoder:
             return []
         out = self.text_runner.run(ids, mask)  # [B, out_dim] float32, device
         return pool_text(out.cpu(), pooling)
+
+    def attention_hint(self) -> str | None:
+        """A faster attention backend this GPU would run with `auto` but which is not installed, and how to
+        install it (for the start-up line); None when there is none."""
+        return missing_faster_backend(self.encoder.model.backends, self.encoder.device)
 
     def stats(self) -> dict:
         """The runner's counters, plus the attention backend of each layer kind (for `auto`: which

@@ -60,6 +60,8 @@ def startup_summary(vision, plan, stats: dict, seconds: float, pipeline: DeviceP
     info = vision.model_info()
     weights = "RANDOM weights (preset)" if info["random_weights"] else f"weights from {info['kind']} {info.get('path')}"
     attention = ", ".join(f"{kind}={backend}" for kind, backend in stats["attention"].items())
+    if stats.get("attention_hint"):  # once per replica start, never per request
+        attention += f" ({stats['attention_hint']})"
     buckets = ",".join(str(k.budget) for k in plan.table.keys)
     text = (
         f"text {pipeline.text_seq_len} tokens, up to {pipeline.max_batch_texts} texts a batch"
@@ -138,6 +140,7 @@ class EncoderReplica:
         stats = self.engine.stats()
         self.metrics.captured.set(stats["captures"])
         self.ready = True
+        stats["attention_hint"] = self.engine.attention_hint()
         logger.info("%s", startup_summary(vision, plan, stats, time.perf_counter() - start, self.pipeline))
 
     # -- the request methods -----------------------------------------------------------------------------
