@@ -308,6 +308,13 @@ class IngressArgs(BaseModel):
     access_log: bool = Field(
         False, description="Serve's per-request access log lines (ingress and encoder replicas); off by default."
     )
+    ec_cache_dir: str | None = Field(
+        None,
+        description="Where requests with `ec_cache_uuids` (and the handle's `write_ec_cache`) write each image's "
+        "vLLM-layout tensor for vLLM's disk encoder-cache connector: <ec_cache_dir>/<uuid>/encoder_cache.safetensors "
+        "(ECExampleConnector's shared_storage_path; storage every ingress replica and the LLM server share). "
+        "None: the option is off (400 ec_cache_not_configured). Clients name only the uuid, never a path.",
+    )
 
     @property
     def inflight_limit(self) -> int:
@@ -320,6 +327,13 @@ class IngressArgs(BaseModel):
     @classmethod
     def _ingress_queue_limit(cls, v: int) -> int:
         return _queue_limit(v)
+
+    @field_validator("ec_cache_dir")
+    @classmethod
+    def _absolute_ec_cache_dir(cls, v: str | None) -> str | None:
+        if v is not None and not os.path.isabs(v):
+            raise ValueError(f"ec_cache_dir must be an absolute path (every replica resolves it alike), got {v!r}")
+        return v
 
 
 class LimitArgs(BaseModel):

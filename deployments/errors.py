@@ -62,6 +62,12 @@ class ErrorCode(Enum):
     INVALID_EMBEDDING_DTYPE = ("invalid_embedding_dtype", 400, _INVALID, CLIENT_ERROR)
     INVALID_TEXT = ("invalid_text", 400, _INVALID, CLIENT_ERROR)  # a text item empty or not a string
     TEXT_NOT_SUPPORTED = ("text_not_supported", 400, _INVALID, CLIENT_ERROR)  # the served model has no text tower
+    # `embedding_layout` "vllm" where it makes no sense (a non-Qwen tower, a pooling other than "none", texts)
+    INVALID_LAYOUT = ("invalid_layout", 400, _INVALID, CLIENT_ERROR)
+    # an `ec_cache_uuids` entry that is no safe directory name, a repeated one, or a count unlike the images'
+    INVALID_UUID = ("invalid_uuid", 400, _INVALID, CLIENT_ERROR)
+    # `ec_cache_uuids` sent to a service without `ec_cache_dir`
+    EC_CACHE_NOT_CONFIGURED = ("ec_cache_not_configured", 400, _INVALID, CLIENT_ERROR)
     # -- the caller is not let in (401) ---------------------------------------------------------------------
     MISSING_API_KEY = ("missing_api_key", 401, _AUTH, CLIENT_ERROR)
     INVALID_API_KEY = ("invalid_api_key", 401, _AUTH, CLIENT_ERROR)

@@ -21,6 +21,12 @@ class LLMOutput:
     grid_thw: tuple[int, int, int]  # the patch grid, == the HF processor's image_grid_thw row
     deepstack: list[torch.Tensor] = field(default_factory=list)  # one [n, out_dim] per DeepStack layer, model order
 
+    def vllm_embeds(self) -> torch.Tensor:
+        """The one tensor vLLM's Qwen models produce for this image (and take as `image_embeds`):
+        `[n, out_dim * (1 + len(deepstack))]`, the tokens then each DeepStack layer on the last dimension, in
+        model order; the tokens themselves for towers without DeepStack (docs/llm-handoff.md "vLLM")."""
+        return torch.cat([self.tokens, *self.deepstack], dim=1) if self.deepstack else self.tokens
+
     def __post_init__(self):
         assert len(self.grid_thw) == 3, self.grid_thw
         assert all(d.shape == self.tokens.shape for d in self.deepstack), "deepstack features must match tokens"

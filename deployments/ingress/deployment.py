@@ -53,7 +53,7 @@ _OPENAPI_BODY = {
 @serve.ingress(api)
 class VisionIngress:
     """HTTP routes (`/v1/embeddings`, `/v1/models`, `/health`) and the handle methods `embed`, `embed_llm`,
-    `embed_text`."""
+    `write_ec_cache`, `embed_text`."""
 
     def __init__(self, encoder: DeploymentHandle, args: dict):
         check_ray()
@@ -96,14 +96,30 @@ class VisionIngress:
         (encoded bytes, pixels, formats) apply; the per-request ones (images, patches) are HTTP's."""
         return await self._handle(images, pooling, None)
 
-    async def embed_llm(self, images, dtype: str | None = "float32") -> list[dict]:
+    async def embed_llm(self, images, dtype: str | None = "float32", layout: str = "parts") -> list[dict]:
         """What a VLM's LLM needs in place of its vision tower, per image (inputs, limits and errors as `embed`):
         `{"tokens": [n, out_dim], "deepstack": [[n, out_dim] per DeepStack layer, model order; [] for towers
         without], "grid_thw": [t, h, w]}` (the patch grid, as the Hugging Face processor's `image_grid_thw`).
         The arrays are float32, or with `dtype="float16"` np.float16, with `dtype="bfloat16"` np.uint16 holding
         bfloat16 bit patterns (`torch.from_numpy(x).view(torch.bfloat16)`); both halve what crosses processes.
-        `dtype=None` is float32."""
-        return [handle_item(w) for w in await self._handle(images, "none", dtype or "float32")]
+        `dtype=None` is float32. `layout="vllm"` (Qwen towers): per image `{"embeds": [n, out_dim * (1 + L)],
+        "grid_thw": [t, h, w]}`, the tokens and the L DeepStack layers concatenated on the last axis in model
+        order, the one tensor vLLM's Qwen models produce per image and take as `image_embeds`
+        (docs/llm-handoff.md); another tower is refused (`RequestError`, code `invalid_layout`)."""
+        wires = await self._handle(images, "none", dtype or "float32", layout)
+        if layout == "vllm":
+            return [{"embeds": w[0], "grid_thw": list(w[2])} for w in wires]
+        return [handle_item(w) for w in wires]
+
+    async def write_ec_cache(self, images, uuids, dtype: str | None = None) -> list[dict]:
+        """Encode `images` and write each one's vLLM-layout tensor where vLLM's disk encoder-cache connector
+        (`ECExampleConnector`, `shared_storage_path` = this service's `ec_cache_dir`) reads the encoder output of
+        `mm_hash` = its uuid: `<ec_cache_dir>/<uuids[i]>/encoder_cache.safetensors`, key `ec_cache`, atomically.
+        `uuids`: one per image, what the client will send vLLM as the item's `uuid`; letters, digits, `.`, `_`,
+        `-`, `:`, not starting with `.`, distinct. `dtype`: the tensor's (None: the tower's own, bfloat16 on a
+        GPU). Per image `{"object": "ec_cache", "index", "uuid", "path", "shape", "dtype", "grid_thw"}`. Raises
+        `RequestError` (codes `ec_cache_not_configured`, `invalid_uuid`, `invalid_layout`) and as `embed`."""
+        return await self._handle.ec_cache(images, uuids, dtype)
 
     async def embed_text(self, texts, pooling: str | None = None) -> list[np.ndarray]:
         """Embeddings of `texts` (a list of non-empty strings; one string is a list of one), for a model with a

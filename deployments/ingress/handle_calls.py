@@ -21,6 +21,7 @@ from deployments.ingress.limits import Admission
 from deployments.llm_outputs import check_dtype
 from deployments.metrics import IngressTelemetry
 from deployments.shutdown import DrainWatch, ShuttingDownError
+from deployments.vllm_handoff import check_layout
 from encoder.errors import EncoderError
 from encoder.poolings import check_pooling
 from encoder.tokenization import check_texts
@@ -52,8 +53,9 @@ class HandleCalls:
         self.args = args
         self._lifecycle = Lifecycle(args, client, decoder, admission, telemetry, drain)
 
-    async def __call__(self, images, pooling: str | None, llm: str | None) -> list:
-        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`."""
+    async def __call__(self, images, pooling: str | None, llm: str | None, layout: str = "parts") -> list:
+        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm` (`layout` "vllm":
+        its tokens and DeepStack layers concatenated, `vllm_handoff.vllm_wire`)."""
         started = time.perf_counter()
         if not isinstance(images, list | tuple):
             images = [images]
@@ -67,7 +69,31 @@ class HandleCalls:
                 check_pooling(pooling)
             if llm is not None:
                 check_dtype(llm)
-            return await self._lifecycle.encode(flight, EmbedOrder(list(images), pooling, llm))
+            check_layout(layout)
+            return await self._lifecycle.encode(flight, EmbedOrder(list(images), pooling, llm, layout=layout))
+
+        return await self._lifecycle.run("handle", len(images), body, _failed, started=started)
+
+    async def ec_cache(self, images, uuids, dtype: str | None) -> list[dict]:
+        """Each image's vLLM-layout tensor written for vLLM's disk connector under `ec_cache_dir`, as
+        `<uuid>/encoder_cache.safetensors` (`write_ec_cache`); per image `{"uuid", "path", "shape", "dtype",
+        "grid_thw", ...}`. `dtype` None: the served tower's own."""
+        started = time.perf_counter()
+        if not isinstance(images, list | tuple):
+            images, uuids = [images], [uuids] if isinstance(uuids, str) else uuids
+        if self._lifecycle.refused_draining("handle", len(images), started):
+            raise ShuttingDownError(retry_after_s=self.args.retry_after_s)
+
+        async def body(flight: Flight) -> list:
+            checked = self._lifecycle.check_ec_cache(uuids, len(images), False, "uuids")
+            flight.reserve_bytes(sum(_nbytes(x) for x in images))
+            flight.enter()
+            if not images:
+                return []
+            wire = self._lifecycle.ec_cache_dtype(None if dtype is None else check_dtype(dtype),
+                                                  await self._lifecycle.info())  # fmt: skip
+            order = EmbedOrder(list(images), "none", wire, layout="vllm")
+            return await self._lifecycle.write_ec_cache(flight, order, checked)
 
         return await self._lifecycle.run("handle", len(images), body, _failed, started=started)
 

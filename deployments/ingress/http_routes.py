@@ -35,6 +35,7 @@ from deployments.ingress.memory import MemoryTrimmer
 from deployments.ingress.openai_api import (
     EmbeddingRequest,
     Items,
+    ec_cache_body,
     embeddings_body,
     error_response,
     input_items,
@@ -158,12 +159,31 @@ class HttpRoutes:
                 f"{len(items)} {what} in one request; the limit is {a.max_request_images}", ErrorCode.TOO_MANY_IMAGES
             )
         # pooling none: the LLM-ready outputs (tokens, DeepStack, patch grid), cast on the replica to the
-        # base64 element type (a bfloat16 answer crosses from the replica at half the bytes)
-        dtype = body.embedding_dtype
+        # base64 element type (a bfloat16 answer crosses from the replica at half the bytes); the vLLM layout
+        # (or files for vLLM's disk connector) implies pooling none
+        dtype, layout, pooling = body.embedding_dtype, body.embedding_layout, body.pooling
+        uuids = None
+        if body.ec_cache_uuids is not None:
+            uuids = self._lifecycle.check_ec_cache(body.ec_cache_uuids, len(items.images), bool(items.texts),
+                                                   "ec_cache_uuids")  # fmt: skip
+            if "embedding_layout" in body.model_fields_set and layout != "vllm":
+                raise RequestError(
+                    "ec_cache_uuids write the vLLM layout (the tensor vLLM's connector loads); embedding_layout "
+                    f"{layout!r} does not apply", ErrorCode.INVALID_LAYOUT, "embedding_layout",
+                )  # fmt: skip
+            layout = "vllm"
+            asked = dtype if "embedding_dtype" in body.model_fields_set else None
+            dtype = self._lifecycle.ec_cache_dtype(asked, await self._lifecycle.info())
+        if layout == "vllm" and pooling is None:
+            pooling = "none"
         order = EmbedOrder(
-            items.images, body.pooling, dtype if body.pooling == "none" else None, body.dimensions, "input",
-            a.max_request_patches, items.texts, items.kinds,
+            items.images, pooling, dtype if pooling == "none" else None, body.dimensions, "input",
+            a.max_request_patches, items.texts, items.kinds, layout,
         )  # fmt: skip
+        if uuids is not None:
+            written = await self._lifecycle.write_ec_cache(flight, order, uuids)
+            flight.phases.update(parse=flight.decode_at - flight.started, answer=0.0)
+            return ec_cache_body(written, self._model_name, flight.patches)
         vectors = await self._lifecycle.encode(flight, order)
         answer_at = time.perf_counter()
         # usage.prompt_tokens: the images' patches and the texts' real tokens (pads not counted)

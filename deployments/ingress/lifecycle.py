@@ -35,6 +35,7 @@ from deployments.ingress.encoder_calls import EncoderClient
 from deployments.ingress.limits import Admission, Ticket
 from deployments.metrics import IngressTelemetry
 from deployments.shutdown import DrainWatch
+from deployments.vllm_handoff import check_uuids, check_vllm_model, ec_cache_item, vllm_wire, write_ec_cache
 
 T = TypeVar("T")
 
@@ -51,6 +52,7 @@ class EmbedOrder:
     max_patches: int | None = None  # the request's patch limit (HTTP's; none for handle calls)
     texts: list[str] = field(default_factory=list)  # checked: non-empty strings
     kinds: list[str] | None = None  # per item "image" or "text", the answer's order; None: the images, then texts
+    layout: str = "parts"  # LLM outputs: "parts" (tokens, DeepStack apart) or "vllm" (one tensor, `vllm_handoff`)
 
     def ordered(self, images: list, texts: list) -> list:
         """The outputs of the images and of the texts, in the order's item order."""
@@ -88,6 +90,20 @@ def resolve_text_pooling(pooling: str | None, text: dict) -> str:
             ErrorCode.INVALID_POOLING, "pooling",
         )  # fmt: skip
     return pooling
+
+
+def check_vllm_order(order: EmbedOrder, info: dict, model_name: str) -> None:
+    """400 `invalid_layout` for the vLLM layout where it makes no sense: a non-Qwen tower, texts, a pooling other
+    than "none" (the layout is of the LLM outputs; `llm` is their wire dtype)."""
+    check_vllm_model(info.get("family"), model_name)
+    if order.texts:
+        raise RequestError("the vLLM layout is of image outputs; this request has text items",
+                           ErrorCode.INVALID_LAYOUT, "embedding_layout")  # fmt: skip
+    if order.pooling not in (None, "none") or order.llm is None:
+        raise RequestError(
+            f"the vLLM layout is of the per-token LLM outputs (pooling 'none'), not pooling {order.pooling!r}",
+            ErrorCode.INVALID_LAYOUT, "embedding_layout",
+        )  # fmt: skip
 
 
 def resolve_pooling(pooling: str | None, info: dict, model_name: str) -> str:
@@ -195,6 +211,8 @@ class Lifecycle:
         if not order.images and not order.texts:
             return []
         info = await self._client.info()
+        if order.layout == "vllm":
+            check_vllm_order(order, info, self.args.model_name)
         text = text_info(info, self.args.model_name) if order.texts else None
         flight.decode_at = decode_at = time.perf_counter()
         reserve = partial(self._admission.reserve_patches, flight.ticket)
@@ -224,12 +242,55 @@ class Lifecycle:
         image_out, text_out = [], []
         if order.images:
             image_out, flight.patches = results[0]
+            if order.layout == "vllm":
+                image_out = [vllm_wire(w) for w in image_out]
         if text is not None:
             answered = results[-1]
             text_out = [vec for vec, _ in answered]
             flight.text_tokens = sum(n for _, n in answered)
         flight.phases.update(decode=encode_at - decode_at, encode=time.perf_counter() - encode_at)
         return order.ordered(image_out, text_out)
+
+    async def info(self) -> dict:
+        """The encoder's facts (`EncoderClient.info`: fetched once)."""
+        return await self._client.info()
+
+    def ec_cache_dtype(self, asked: str | None, info: dict) -> str:
+        """The dtype of the files written for vLLM's disk connector: `asked`, else the served tower's own
+        (bfloat16 on a GPU, as vLLM's encoder would store it; float32 on a CPU)."""
+        if asked is not None:
+            return asked
+        dtype = info.get("dtype", "float32")
+        return dtype if dtype in ("float32", "float16", "bfloat16") else "float32"
+
+    def check_ec_cache(self, uuids, n_images: int, has_texts: bool, where: str) -> list[str]:
+        """The request's uuids, checked (one safe, distinct name per image), where the service has a cache
+        directory; 400 otherwise."""
+        if self.args.ec_cache_dir is None:
+            raise RequestError(
+                "this service writes no encoder-cache files: it was started without ec_cache_dir",
+                ErrorCode.EC_CACHE_NOT_CONFIGURED, "ec_cache_uuids",
+            )  # fmt: skip
+        if has_texts:
+            raise RequestError("encoder-cache files are of images; this request has text items",
+                               ErrorCode.INVALID_REQUEST, "ec_cache_uuids")  # fmt: skip
+        return check_uuids(uuids, n_images, where)
+
+    async def write_ec_cache(self, flight: Flight, order: EmbedOrder, uuids: list[str]) -> list[dict]:
+        """Encode `order` (vLLM layout, wire dtype `order.llm`) and write each image's tensor for vLLM's disk
+        connector under `ec_cache_dir` (`vllm_handoff.write_ec_cache`, off the event loop); per image
+        `vllm_handoff.ec_cache_item` with its `path`."""
+        outputs = await self.encode(flight, order)
+        root = self.args.ec_cache_dir
+        written_at = time.perf_counter()
+        paths = await asyncio.to_thread(
+            lambda: [write_ec_cache(root, u, w[0], order.llm) for u, w in zip(uuids, outputs, strict=True)]
+        )
+        flight.phases["write"] = time.perf_counter() - written_at
+        return [
+            ec_cache_item(i, u, w, order.llm) | {"path": p}
+            for i, (u, w, p) in enumerate(zip(uuids, outputs, paths, strict=True))
+        ]
 
     @staticmethod
     def _check_dimensions(asked: int | None, dim: int, pooling: str) -> None:

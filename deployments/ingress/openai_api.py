@@ -30,6 +30,7 @@ from deployments.errors import (
     shown,
 )
 from deployments.llm_outputs import EMBEDDING_DTYPES, to_wire
+from deployments.vllm_handoff import LAYOUTS
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
 
@@ -138,6 +139,23 @@ class EmbeddingRequest(BaseModel):
         "float32",
         description="Extension, with encoding_format 'base64' only: the element type of the little-endian bytes, "
         "'float32', 'float16' or 'bfloat16' (the top 16 bits of float32, rounded to nearest even).",
+    )
+    embedding_layout: Literal[LAYOUTS] = Field(
+        "parts",
+        description="Extension, for the per-token LLM outputs of Qwen towers: 'parts' (the default: `embedding` holds "
+        "the tokens, `deepstack` each DeepStack layer) or 'vllm' (`embedding` is the one [tokens, out_dim x (1 + "
+        "layers)] tensor vLLM's Qwen models produce and take as image_embeds: the tokens, then each DeepStack "
+        "layer, on the last axis; no `deepstack` key). 'vllm' implies pooling 'none'; another pooling, text items "
+        "or a non-Qwen model is 400 invalid_layout.",
+    )
+    ec_cache_uuids: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None,
+        description="Extension: one uuid per image; each image's vLLM-layout tensor is written for vLLM's disk "
+        "encoder-cache connector as <ec_cache_dir>/<uuid>/encoder_cache.safetensors (key ec_cache) on the "
+        "server, and the answer's items are {object: 'ec_cache', index, uuid, shape, dtype, grid_thw} without "
+        "the tensor. Send vLLM the same uuid with the image. A uuid is 1 to 255 of A-Z a-z 0-9 . _ - : not "
+        "starting with '.', distinct (else 400 invalid_uuid); a service without ec_cache_dir answers 400 "
+        "ec_cache_not_configured. The file's dtype: embedding_dtype when given, else the served tower's own.",
     )
     user: str | None = None
 
@@ -288,7 +306,7 @@ def parse_embedding_request(body: bytes) -> EmbeddingRequest:
         raise schema_error(errors) from None
     if parsed.__pydantic_extra__:
         raise unknown_fields_error(list(parsed.__pydantic_extra__))
-    if parsed.embedding_dtype != "float32" and parsed.encoding_format != "base64":
+    if parsed.embedding_dtype != "float32" and parsed.encoding_format != "base64" and parsed.ec_cache_uuids is None:
         raise embedding_dtype_error(
             f"embedding_dtype={parsed.embedding_dtype!r} needs encoding_format='base64' (JSON floats are float32)"
         )
@@ -345,6 +363,14 @@ def embeddings_body(outputs: list, encoding_format: str, model: str, patches: in
         pieces.append(b"}")
     pieces += [b'],"model":', orjson.dumps(model), b',"usage":', orjson.dumps(usage), b"}"]
     return b"".join(pieces)
+
+
+def ec_cache_body(items: list[dict], model: str, patches: int) -> bytes:
+    """The answer to a request with `ec_cache_uuids`: per image what was written (`vllm_handoff.ec_cache_item`;
+    the server's path is not named)."""
+    usage = {"prompt_tokens": patches, "total_tokens": patches}
+    data = [{k: v for k, v in item.items() if k != "path"} for item in items]
+    return orjson.dumps({"object": "list", "data": data, "model": model, "usage": usage})
 
 
 # Starlette's own HTTP errors (routing) by status; another status keeps it, with code "http_error".

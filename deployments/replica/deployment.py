@@ -292,6 +292,7 @@ class EncoderReplica:
         vision = self.engine.encoder
         return {
             "model": vision.name,
+            "family": vision.config.family,  # the tower family (e.g. qwen3_vl): which LLM hand-offs apply
             "out_dim": vision.out_dim,
             "vector_pooling": self.vector_pooling,
             "output_dims": dict(self.output_dims),
