@@ -69,6 +69,24 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         help="model: the model's own embedding (CLIP / SigLIP); mean: mean of the output tokens; none: every "
         "token; -l2: L2-normalised (default: model for CLIP / SigLIP, mean otherwise)",
     )
+    p.add_argument(
+        "--layout",
+        default="parts",
+        choices=["parts", "vllm"],
+        help="per-token outputs of Qwen towers: parts (embedding and deepstack columns apart; default) or vllm "
+        "(embedding = vLLM's one tensor per image, the tokens then each DeepStack layer on the last axis); vllm "
+        "implies --pooling none",
+    )
+    p.add_argument(
+        "--ec-cache-dir",
+        default=None,
+        help="write each image's vLLM-layout tensor for vLLM's disk encoder-cache connector as "
+        "DIR/<uuid>/encoder_cache.safetensors (key ec_cache; the tower's dtype) instead of an embedding column; "
+        "the row's ec_cache column is the path (needs --uuid-column)",
+    )
+    p.add_argument(
+        "--uuid-column", default=None, help="with --ec-cache-dir: the string column of uuids (vLLM's mm_hash)"
+    )
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--attention", default=None, help="attention backend (default: the encoder's)")
     p.add_argument(

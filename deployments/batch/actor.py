@@ -22,6 +22,7 @@ import torch
 import encoder
 from deployments.batch.columns import (
     DEEPSTACK,
+    EC_CACHE,
     EMBEDDING,
     ERROR,
     GRID_H,
@@ -39,7 +40,10 @@ from deployments.batch.columns import (
     vectors,
 )  # fmt: skip
 from deployments.batch.decode import describe_error
-from deployments.batch.model_facts import deepstack_layers, resolve_pooling
+from deployments.batch.model_facts import config_for, deepstack_layers, resolve_pooling
+from deployments.errors import RequestError
+from deployments.llm_outputs import to_wire
+from deployments.vllm_handoff import check_uuid, check_vllm_model, write_ec_cache
 from encoder.attention import graph_token_cap
 from encoder.errors import InvalidArgumentError
 from encoder.patch_batch import PatchBatch
@@ -120,9 +124,19 @@ class EncoderActor:
         quantization: str | None = None,
         preprocess_config: ProcessorConfig | None = None,
         expected_table: BucketTable | None = None,
+        layout: str = "parts",
+        ec_cache_dir: str | None = None,
+        uuid_column: str | None = None,
     ):
         start = time.perf_counter()
+        self.vllm = layout == "vllm" or ec_cache_dir is not None
+        if self.vllm:
+            check_vllm_model(config_for(model).family, model, "layout")
+            pooling = "none" if pooling is None else pooling
         self.pooling = resolve_pooling(pooling, model)
+        if self.vllm and self.pooling != "none":
+            raise InvalidArgumentError(f"the vLLM layout is of the per-token outputs, not pooling {self.pooling!r}")
+        self.ec_cache_dir, self.uuid_column = ec_cache_dir, uuid_column
         # the driver warned once that a preset's weights are random (`embed_dataset`), and the ready line below marks
         # them; every actor repeating it in warnings' file:line form is noise. The actor's process is its own
         warnings.filterwarnings("ignore", category=encoder.RandomWeightsWarning)
@@ -144,6 +158,8 @@ class EncoderActor:
         self.device = self.vision.device
         self.dim = self.vision.output_dim(self.pooling)
         self.deepstack_layers = deepstack_layers(self.vision.config) if self.pooling == "none" else 0
+        # the files for vLLM's disk connector: in the tower's own dtype, as vLLM's encoder would store them
+        self.ec_dtype = str(self.vision.dtype).removeprefix("torch.")
         stats = self.engine.stats()
         weights = " (RANDOM weights)" if self.vision.random_weights else ""
         fp8 = f", {self.vision.quantization} block linears" if self.vision.quantization else ""
@@ -234,14 +250,24 @@ class EncoderActor:
                 values[i] = vec.numpy()
             out = out.append_column(EMBEDDING, fixed_size_list(values, self.dim, ~valid))
         else:  # LLM-ready outputs (layout: the module docstring)
+            if self.ec_cache_dir is not None:
+                paths = self._write_ec_cache(table, results, errors)
+                valid = np.array([i in results for i in range(n)], dtype=bool)
             rows = [i for i in range(n) if i in results]
             grid = np.zeros((n, 3), dtype=np.int32)
             for i in rows:
                 grid[i] = results[i].grid_thw
             tokens = np.zeros(n, dtype=np.int64)
             tokens[rows] = [len(results[i].tokens) for i in rows]
-            token_vectors = vectors([results[i].tokens.numpy() for i in rows], self.dim)
-            out = out.append_column(EMBEDDING, lists(tokens.tolist(), token_vectors, valid))
+            if self.ec_cache_dir is not None:
+                out = out.append_column(EC_CACHE, pa.array(paths, type=pa.string()))
+            elif self.vllm:  # vLLM's one tensor per image: tokens ++ DeepStack layers on the last axis
+                width = self.dim * (1 + self.deepstack_layers)
+                whole = vectors([results[i].vllm_embeds().numpy() for i in rows], width)
+                out = out.append_column(EMBEDDING, lists(tokens.tolist(), whole, valid))
+            else:
+                token_vectors = vectors([results[i].tokens.numpy() for i in rows], self.dim)
+                out = out.append_column(EMBEDDING, lists(tokens.tolist(), token_vectors, valid))
             out = out.append_column(NUM_TOKENS, pa.array(tokens, type=pa.int32()))
             out = out.append_column(GRID_T, pa.array(grid[:, 0], type=pa.int32()))
             out = out.append_column(GRID_H, pa.array(grid[:, 1], type=pa.int32()))
@@ -250,7 +276,7 @@ class EncoderActor:
             out = out.append_column(
                 GRID_THW, pa.FixedSizeListArray.from_arrays(pa.array(grid.reshape(-1)), 3, mask=mask)
             )
-            if self.deepstack_layers:
+            if self.deepstack_layers and not self.vllm:
                 k = self.deepstack_layers
                 if any(len(results[i].deepstack) != k for i in rows):
                     raise RuntimeError(f"the engine returned DeepStack layers other than the config's {k}")
@@ -258,3 +284,22 @@ class EncoderActor:
                 per_layer = lists([int(tokens[i]) for i in rows for _ in range(k)], layers)  # a list per (row, layer)
                 out = out.append_column(DEEPSTACK, lists([k if valid[i] else 0 for i in range(n)], per_layer, valid))
         return out.append_column(ERROR, pa.array(errors, type=pa.string()))
+
+    def _write_ec_cache(self, table: pa.Table, results: dict[int, Any], errors: list) -> list[str | None]:
+        """Each encoded row's vLLM-layout tensor written as `<ec_cache_dir>/<uuid>/encoder_cache.safetensors`;
+        the paths (None for error rows). A missing or unsafe uuid makes its row an error row (and drops its
+        result); a failed write fails the job (the disk, not the data)."""
+        if self.uuid_column not in table.column_names:
+            raise InvalidArgumentError(f"no uuid column {self.uuid_column!r} in the input")
+        uuids = table.column(self.uuid_column).to_pylist()
+        paths: list[str | None] = [None] * table.num_rows
+        for i in sorted(results):
+            try:
+                uuid = check_uuid(uuids[i], f"{self.uuid_column}")
+            except RequestError as exc:
+                errors[i] = f"ec_cache: {exc}"
+                del results[i]
+                continue
+            wire = to_wire(results[i].vllm_embeds(), self.ec_dtype)
+            paths[i] = write_ec_cache(self.ec_cache_dir, uuid, wire, self.ec_dtype)
+        return paths

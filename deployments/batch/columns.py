@@ -12,6 +12,12 @@ Output columns with `pooling="none"` (one row per image; every column null or 0 
     `deepstack[k][t]` = DeepStack layer k's feature of token t, layers in block order (the blocks of
     `deepstack_visual_indexes`, ascending, as transformers emits them); the LLM adds layer k's features at
     the image positions after decoder layer k.
+
+With the vLLM layout (`layout="vllm"`, Qwen towers) `embedding` is `list<fixed_size_list<float32>[out_dim * (1 +
+L)]>`: per token its L + 1 parts (the token, then each DeepStack layer in model order) concatenated, the tensor
+vLLM's Qwen models produce and take as `image_embeds`; no `deepstack` column. With `ec_cache_dir` the tensor is
+written for vLLM's disk connector instead of `embedding` (`deployments.vllm_handoff.write_ec_cache`), and
+`ec_cache` (string) is the file's path.
 """
 
 from __future__ import annotations
@@ -35,28 +41,37 @@ GRID_H = "grid_h"
 GRID_W = "grid_w"
 GRID_THW = "grid_thw"
 DEEPSTACK = "deepstack"
-OUTPUT_COLUMNS = (EMBEDDING, ERROR, NUM_TOKENS, GRID_T, GRID_H, GRID_W, GRID_THW, DEEPSTACK)
+EC_CACHE = "ec_cache"
+OUTPUT_COLUMNS = (EMBEDDING, ERROR, NUM_TOKENS, GRID_T, GRID_H, GRID_W, GRID_THW, DEEPSTACK, EC_CACHE)
 
 
 def output_schema(
-    input_schema: pa.Schema, image_column: str, pooling: str, dim: int, deepstack_layers: int = 0
+    input_schema: pa.Schema,
+    image_column: str,
+    pooling: str,
+    dim: int,
+    deepstack_layers: int = 0,
+    layout: str = "parts",
+    ec_cache: bool = False,
 ) -> pa.Schema:
     """The schema `embed_dataset` produces for an input schema (documented layout in the module docstring);
-    `deepstack_layers` (pooling="none"): the model's DeepStack layers (`deepstack_layers(config)`)."""
+    `deepstack_layers` (pooling="none"): the model's DeepStack layers (`deepstack_layers(config)`); `layout`
+    "vllm": them concatenated to the tokens; `ec_cache`: files written, an `ec_cache` path column for them."""
     fields = [f for f in input_schema if f.name != image_column]
-    vector = pa.list_(pa.float32(), dim)
+    vllm = layout == "vllm" or ec_cache
+    vector = pa.list_(pa.float32(), dim * (1 + deepstack_layers) if vllm else dim)
     if pooling != "none":
         fields.append(pa.field(EMBEDDING, vector))
     else:
         fields += [
-            pa.field(EMBEDDING, pa.list_(vector)),
+            pa.field(EC_CACHE, pa.string()) if ec_cache else pa.field(EMBEDDING, pa.list_(vector)),
             pa.field(NUM_TOKENS, pa.int32()),
             pa.field(GRID_T, pa.int32()),
             pa.field(GRID_H, pa.int32()),
             pa.field(GRID_W, pa.int32()),
             pa.field(GRID_THW, pa.list_(pa.int32(), 3)),
         ]
-        if deepstack_layers:
+        if deepstack_layers and not vllm:
             fields.append(pa.field(DEEPSTACK, pa.list_(pa.list_(vector))))
     return pa.schema([*fields, pa.field(ERROR, pa.string())])
 

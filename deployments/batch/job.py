@@ -54,6 +54,7 @@ from deployments.batch.pipeline import embed_dataset
 from deployments.batch.reaper import start_reaper
 from deployments.batch.texts import TEXT_ROWS_PER_BATCH, check_text_model, check_text_schema, text_pooling
 from deployments.preflight import ray_address
+from deployments.vllm_handoff import check_vllm_model
 from encoder.errors import InvalidArgumentError, RandomWeightsWarning
 
 # Test hook: exit abruptly (no cleanup) right after the k-th part of this run is renamed into place
@@ -132,6 +133,8 @@ def job_params(cfg: JobConfig, files: list[InputFile], part_rows: int) -> dict:
         "attention": cfg.attention,
         # only when set: the manifests of jobs run before the option existed keep matching their re-runs
         **({"quantization": cfg.quantization} if cfg.quantization else {}),
+        **({"layout": cfg.layout} if cfg.layout != "parts" else {}),
+        **({"ec_cache_dir": cfg.ec_cache_dir, "uuid_column": cfg.uuid_column} if cfg.ec_cache_dir else {}),
         "part_rows": part_rows,
         "max_image_bytes": cfg.max_image_bytes,  # which rows are error rows
     }
@@ -148,6 +151,10 @@ def check_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfig) ->
             check_input_schema(schema, cfg.image_column)
         except InvalidArgumentError as exc:
             raise JobError(f"{path}: {exc}") from None
+        if cfg.uuid_column is not None:
+            field = schema.field(cfg.uuid_column) if cfg.uuid_column in schema.names else None
+            if field is None or not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+                raise JobError(f"{path}: --uuid-column {cfg.uuid_column!r} must be a string column of the input")
         if set(schema.names) & {PART_COLUMN, ROW_COLUMN}:
             raise JobError(f"{path}: columns {PART_COLUMN}/{ROW_COLUMN} are reserved")
     kinds = [image_column_kind(s.field(cfg.image_column).type) for s in schemas]
@@ -204,7 +211,9 @@ def check_text_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfi
 def resolve_part_rows(cfg: JobConfig) -> int:
     if cfg.part_rows is not None:
         return cfg.part_rows
-    if cfg.pooling != "none":
+    if cfg.pooling != "none" and not cfg.vllm:
+        return 10_000
+    if cfg.ec_cache_dir is not None:  # the tensors go to their own files: a row is a path and a grid
         return 10_000
     # per-token output, DeepStack layers included: about the same bytes per part whatever the layers
     return max(1, 1_000 // (1 + deepstack_layers(config_for(cfg.model))))
@@ -229,7 +238,12 @@ def run_job(cfg: JobConfig) -> JobSummary:
             check_text_model(cfg.model)
             cfg = cfg.model_copy(update={"pooling": text_pooling(cfg.pooling)})
         else:
-            cfg = cfg.model_copy(update={"pooling": resolve_pooling(cfg.pooling, cfg.model)})
+            if cfg.vllm:  # Qwen towers only; the per-token outputs
+                check_vllm_model(config_for(cfg.model).family, cfg.model, "--layout")
+            pooling = resolve_pooling("none" if cfg.vllm else cfg.pooling, cfg.model)
+            cfg = cfg.model_copy(update={"pooling": pooling})
+            if cfg.ec_cache_dir is not None:  # the actors may run elsewhere: an absolute path
+                cfg = cfg.model_copy(update={"ec_cache_dir": str(Path(cfg.ec_cache_dir).expanduser().resolve())})
     except InvalidArgumentError as exc:
         raise JobError(str(exc)) from None
     preprocess_config_for(cfg.model)

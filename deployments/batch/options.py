@@ -52,6 +52,21 @@ class EmbedOptions(BaseModel):
     max_image_bytes: int = Field(
         20 * 2**20, ge=1, description="Encoded bytes of one image (a longer file or value is an error row)."
     )
+    layout: Literal["parts", "vllm"] = Field(
+        "parts",
+        description="pooling 'none' (Qwen towers): 'parts' writes `embedding` (tokens) and `deepstack` apart; "
+        "'vllm' writes `embedding` as vLLM's one [tokens, out_dim x (1 + DeepStack layers)] tensor per image "
+        "(the tokens, then each layer, on the last axis) and no `deepstack` column. 'vllm' implies pooling 'none'.",
+    )
+    ec_cache_dir: str | None = Field(
+        None,
+        description="Write each image's vLLM-layout tensor for vLLM's disk encoder-cache connector as "
+        "<ec_cache_dir>/<uuid>/encoder_cache.safetensors (key ec_cache, the tower's dtype) instead of an "
+        "`embedding` column; the row gets `ec_cache` (the file's path). Needs uuid_column.",
+    )
+    uuid_column: str | None = Field(
+        None, description="With ec_cache_dir: the string column holding each row's uuid (vLLM's mm_hash)."
+    )
 
     @model_validator(mode="after")
     def _check_quantization(self) -> EmbedOptions:
@@ -64,6 +79,24 @@ class EmbedOptions(BaseModel):
                     f"quantization {self.quantization!r} runs with dtype bfloat16 only, not {self.dtype!r}"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> EmbedOptions:
+        if (self.ec_cache_dir is None) != (self.uuid_column is None):
+            raise ValueError("ec_cache_dir and uuid_column go together (the files are named by the uuid column)")
+        if self.layout == "vllm" or self.ec_cache_dir is not None:
+            if self.text_column is not None:
+                raise ValueError("the vLLM layout and ec_cache_dir are for images, not text_column")
+            if self.pooling not in (None, "none"):
+                raise ValueError(f"the vLLM layout is of the per-token outputs (pooling 'none'), not {self.pooling!r}")
+        if self.ec_cache_dir is not None and self.layout == "parts" and "layout" in self.model_fields_set:
+            raise ValueError("ec_cache_dir writes the vLLM layout; layout 'parts' does not apply")
+        return self
+
+    @property
+    def vllm(self) -> bool:
+        """The vLLM layout (asked for, or implied by ec_cache_dir)."""
+        return self.layout == "vllm" or self.ec_cache_dir is not None
 
     @classmethod
     def of(cls, **kwargs) -> EmbedOptions:

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from deployments.batch.decode import check_input_schema, decode_batch, image_column_kind, typical_patches_of
 from deployments.batch.model_facts import (
+    config_for,
     gpus_in_cluster,
     plan_for_actors,
     preprocess_config_for,
@@ -25,6 +26,7 @@ from deployments.batch.model_facts import (
     rows_per_batch,
 )
 from deployments.batch.options import EmbedOptions
+from deployments.vllm_handoff import check_vllm_model
 from encoder.errors import InvalidArgumentError, RandomWeightsWarning
 
 
@@ -78,7 +80,9 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     o, model, image_column = options, options.model, options.image_column
     if o.text_column is not None:
         return _embed_text_column(ds, o)
-    pooling = resolve_pooling(o.pooling, model)
+    if o.vllm:  # Qwen towers only; the per-token outputs
+        check_vllm_model(config_for(model).family, model, "layout")
+    pooling = resolve_pooling("none" if o.vllm else o.pooling, model)
     pp = preprocess_config_for(model)  # also validates the model name / directory up front
     if resolved(model).random_weights:  # here, once, at the caller's line; the actors keep quiet about it
         RandomWeightsWarning.warn(model, stacklevel=2)
@@ -135,6 +139,9 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
                 "quantization": o.quantization,
                 "preprocess_config": pp,
                 "expected_table": plan.table,
+                "layout": o.layout,
+                "ec_cache_dir": o.ec_cache_dir,
+                "uuid_column": o.uuid_column,
             },
             compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=2),
             num_gpus=1 if gpus > 0 else 0,

@@ -6,6 +6,8 @@ The actor tests need no Ray; the CLI test shares the session's Ray instance (`te
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -103,3 +105,82 @@ def test_cli_per_token_writes_grid_and_deepstack_columns(ray_cluster, tmp_path, 
     expected = ["id", "embedding", "num_tokens", "grid_t", "grid_h", "grid_w", "grid_thw"]
     assert result.column_names == expected + (["deepstack"] if layers else []) + ["error"]
     check_rows(result, ids, dict(zip(ids, images, strict=True)), bad, model)
+
+
+# ------------------------------------------------------------------------------------------ vLLM's forms (issue 47)
+
+VLLM_MODELS = ["tiny", pytest.param(DEEPSTACK_MODEL, marks=pytest.mark.skipif(DEEPSTACK_MODEL not in PRESETS,
+                                                                                reason="no preset yet"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("model", VLLM_MODELS)
+def test_actor_vllm_layout_is_the_tokens_then_each_deepstack_layer(model):
+    pp = preprocess_config_for(model)
+    ids, images, bad = make_rows(7, seed=3, corrupt_every=2)
+    table = pa.table({"id": ids, "image": pa.array(images, pa.binary())})
+    actor = EncoderActor(model, None, preprocess_config=pp, layout="vllm")  # pooling none implied
+    out = actor(decode_batch(table, image_column="image", pp=pp, path_root=None))
+    layers = deepstack_layers(preset(model))
+    assert out.schema == output_schema(table.schema, "image", "none", actor.dim, layers, layout="vllm")
+    assert "deepstack" not in out.column_names
+    ref = encoder.load(model)
+    good = [i for i in ids if i not in bad]
+    want = dict(zip(good, ref.encode_llm([dict(zip(ids, images, strict=True))[i] for i in good]), strict=True))
+    for row in out.to_pylist():
+        if row["id"] in bad:
+            assert row["embedding"] is None and row["error"]
+            continue
+        w = want[row["id"]]
+        got = np.asarray(row["embedding"], np.float32)
+        assert got.shape == (w.tokens.shape[0], actor.dim * (1 + layers)) and row["grid_thw"] == list(w.grid_thw)
+        for k, part in enumerate([w.tokens, *w.deepstack]):  # column block k is part k, in model order
+            assert_close(got[:, k * actor.dim : (k + 1) * actor.dim], part)
+
+
+@pytest.mark.parametrize("model", VLLM_MODELS)
+def test_actor_ec_cache_writes_the_file_vllm_loads_and_a_bad_uuid_is_an_error_row(model, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    pp = preprocess_config_for(model)
+    ids, images, bad = make_rows(7, seed=5, corrupt_every=2)
+    uuids = [f"u-{i}" for i in ids]
+    uuids[0] = "../escape"  # a good image with an unsafe uuid: an error row, no file
+    table = pa.table({"id": ids, "image": pa.array(images, pa.binary()), "uuid": uuids})
+    actor = EncoderActor(model, None, preprocess_config=pp, ec_cache_dir=str(tmp_path), uuid_column="uuid")
+    out = actor(decode_batch(table, image_column="image", pp=pp, path_root=None))
+    layers = deepstack_layers(preset(model))
+    assert out.schema == output_schema(table.schema, "image", "none", actor.dim, layers, ec_cache=True)
+    assert "embedding" not in out.column_names and "deepstack" not in out.column_names
+    ref = encoder.load(model)
+    by_id = dict(zip(ids, images, strict=True))
+    rows = out.to_pylist()
+    assert ids[0] not in bad and "ec_cache" in rows[0]["error"] and rows[0]["ec_cache"] is None
+    written = []
+    for row in rows[1:]:
+        if row["id"] in bad:
+            assert row["ec_cache"] is None and row["error"]
+            continue
+        (w,) = ref.encode_llm([by_id[row["id"]]])
+        assert row["ec_cache"] == str(tmp_path / row["uuid"] / "encoder_cache.safetensors") and row["error"] is None
+        tensor = load_file(row["ec_cache"])["ec_cache"]
+        assert tensor.dtype == torch.float32  # the CPU tower's dtype
+        assert_close(tensor, w.vllm_embeds())
+        written.append(row["uuid"])
+    assert written and sorted(os.listdir(tmp_path)) == sorted(written)
+
+
+def test_vllm_options_are_checked_before_anything_runs(tmp_path):
+    from deployments.batch.options import EmbedOptions
+    from encoder.errors import InvalidArgumentError
+
+    for bad, match in (
+        ({"ec_cache_dir": str(tmp_path)}, "go together"),
+        ({"layout": "vllm", "pooling": "mean"}, "per-token"),
+        ({"layout": "parts", "ec_cache_dir": str(tmp_path), "uuid_column": "u"}, "does not apply"),
+        ({"layout": "vllm", "text_column": "t"}, "not text_column"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            EmbedOptions.of(**bad)
+    with pytest.raises(InvalidArgumentError, match="Qwen VLM towers"):
+        EncoderActor("tiny-clip", None, layout="vllm")
