@@ -181,11 +181,17 @@ def test_a_bad_embedding_dtype_beside_other_schema_errors_is_a_422_naming_them_a
 
 
 @pytest.fixture(scope="module")
-def apps(ray_cluster):
+def ec_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ec_cache")
+
+
+@pytest.fixture(scope="module")
+def apps(ray_cluster, ec_cache_dir):
     from deployments import build_app
     from tests.serve_fixtures import running_apps
 
-    base = {"num_replicas": 1, "batcher": "continuous", "pipeline_depth": 2, "max_request_images": 8}
+    base = {"num_replicas": 1, "batcher": "continuous", "pipeline_depth": 2, "max_request_images": 8,
+            "ec_cache_dir": str(ec_cache_dir)}  # fmt: skip
     specs = [(build_app({**base, "model": "tiny"}), "llm-tiny", "/")]
     if HAS_DEEPSTACK:
         specs.append((build_app({**base, "model": DEEPSTACK_MODEL}), "llm-deepstack", "/deepstack"))
@@ -379,3 +385,38 @@ def test_replica_encode_llm_pixels_checks_its_inputs(apps, references):
         ds = serve.get_deployment_handle(ENCODER_NAME, app_name=apps[DEEPSTACK_MODEL].name)
         layers = len(references[DEEPSTACK_MODEL].config.deepstack_visual_indexes)
         assert ds.describe.remote().result(timeout_s=30)["deepstack_layers"] == layers > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_vllm_layout_and_ec_cache_files_through_the_service(apps, references, ec_cache_dir, model):
+    """Issue 47: `embed_llm(layout="vllm")`, HTTP `embedding_layout: "vllm"`, and the files for vLLM's disk
+    connector (`write_ec_cache`, `ec_cache_uuids`) equal the concatenation of `encode_llm`'s parts."""
+    from safetensors.torch import load_file
+
+    app, ref = apps[model], references[model]
+    images = [png(70, 90, 4), png(56, 112, 5)]
+    want = [o.vllm_embeds() for o in ref.encode_llm(images)]
+    got = app.handle.embed_llm.remote(images, layout="vllm").result(timeout_s=120)
+    for g, w, o in zip(got, want, ref.encode_llm(images), strict=True):
+        assert set(g) == {"embeds", "grid_thw"} and g["grid_thw"] == list(o.grid_thw)
+        np.testing.assert_allclose(g["embeds"], w.numpy(), atol=ATOL)
+    body = post(app, {"input": [data_url(x) for x in images], "embedding_layout": "vllm"})
+    for item, w in zip(body["data"], want, strict=True):
+        assert item["shape"] == list(w.shape) and "deepstack" not in item
+        np.testing.assert_allclose(np.array(item["embedding"], np.float32), w.numpy(), atol=ATOL)
+    # files: the handle names the path; HTTP does not; both are where vLLM's connector reads mm_hash = uuid
+    written = app.handle.write_ec_cache.remote(images, [f"{model}-h0", f"{model}-h1"]).result(timeout_s=120)
+    body = post(app, {"input": [data_url(images[0])], "ec_cache_uuids": [f"{model}-http"]})
+    assert body["data"][0]["object"] == "ec_cache" and "path" not in body["data"][0]
+    for uuid, w in ((f"{model}-h0", want[0]), (f"{model}-h1", want[1]), (f"{model}-http", want[0])):
+        tensor = load_file(ec_cache_dir / uuid / "encoder_cache.safetensors")["ec_cache"]
+        assert tensor.dtype == torch.float32  # the CPU tower's own dtype
+        np.testing.assert_allclose(tensor.numpy(), w.numpy(), atol=ATOL)
+    assert written[1]["path"] == str(ec_cache_dir / f"{model}-h1" / "encoder_cache.safetensors")
+    with httpx.Client(base_url=app.base_url, timeout=60) as c:
+        r = c.post("/v1/embeddings", json={"input": [data_url(images[0])], "ec_cache_uuids": ["../x"]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_uuid"
+    with pytest.raises(RequestError) as refused:
+        app.handle.write_ec_cache.remote(images[:1], ["a/b"]).result(timeout_s=60)
+    assert refused.value.code == "invalid_uuid"
