@@ -182,4 +182,4 @@ class Dinov2VisionTower(FixedResolutionTower, nn.Module):
     def forward(self, pixel_values: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_input(pixel_values)
         x = self.run_blocks(self.embeddings(pixel_values), cu_seqlens)  # [n * T, D] float32
-        return class_token_outputs(x, self.layernorm, self.seq_len, 1 + self.cfg.num_register_tokens)
+        return class_token_outputs(x, self.layernorm, self.seq_len, self.cfg.prefix_tokens)

@@ -101,7 +101,7 @@ class Dinov3Attention(PackedAttention):
         cfg = self.cfg
         q, k, v = self.qkv(x)
         s, heads, hd = v.shape
-        prefix = 1 + cfg.num_register_tokens
+        prefix = cfg.prefix_tokens
         q, k = (t.view(-1, cfg.seq_len, heads, hd) for t in (q, k))  # [n, T, H, hd]
         q = torch.cat((q[:, :prefix], rotate(q[:, prefix:], cos, sin)), dim=1).view(s, heads, hd)
         k = torch.cat((k[:, :prefix], rotate(k[:, prefix:], cos, sin)), dim=1).view(s, heads, hd)
@@ -172,4 +172,4 @@ class Dinov3VisionTower(FixedResolutionTower, nn.Module):
         self.check_input(pixel_values)
         cos, sin = (t.to(self.norm.weight.dtype).unsqueeze(1) for t in rotary_tables(self.cfg, pixel_values.device))
         x = self.run_blocks(self.embeddings(pixel_values), cu_seqlens, cos, sin)  # [n * T, D] float32
-        return class_token_outputs(x, self.norm, self.seq_len, 1 + self.cfg.num_register_tokens)
+        return class_token_outputs(x, self.norm, self.seq_len, self.cfg.prefix_tokens)
