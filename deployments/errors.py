@@ -60,6 +60,8 @@ class ErrorCode(Enum):
     INVALID_POOLING = ("invalid_pooling", 400, _INVALID, CLIENT_ERROR)
     INVALID_DIMENSIONS = ("invalid_dimensions", 400, _INVALID, CLIENT_ERROR)
     INVALID_EMBEDDING_DTYPE = ("invalid_embedding_dtype", 400, _INVALID, CLIENT_ERROR)
+    INVALID_TEXT = ("invalid_text", 400, _INVALID, CLIENT_ERROR)  # a text item empty or not a string
+    TEXT_NOT_SUPPORTED = ("text_not_supported", 400, _INVALID, CLIENT_ERROR)  # the served model has no text tower
     # -- the caller is not let in (401) ---------------------------------------------------------------------
     MISSING_API_KEY = ("missing_api_key", 401, _AUTH, CLIENT_ERROR)
     INVALID_API_KEY = ("invalid_api_key", 401, _AUTH, CLIENT_ERROR)

@@ -140,7 +140,10 @@ class ReplicaMetrics:
         self.replays = Counter(
             "vision_encoder_bucket_replays", description="Graph replays by bucket budget.", tag_keys=("bucket",)
         )
-        self.eager = Counter("vision_encoder_eager_runs", description="Packs no bucket fits, run eagerly.")
+        self.eager = Counter(
+            "vision_encoder_eager_runs",
+            description="Packs run eagerly: no bucket fits them, or a large pack its bucket would pad much.",
+        )
         self.batch_requests = Histogram(
             "vision_encoder_batch_requests", description="Requests per replica batch.", boundaries=_SIZES
         )

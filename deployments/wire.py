@@ -9,6 +9,14 @@ num_images=k, deadline=d)` or `encode_llm_pixels(pixels, dtype=..., ...)` (route
 `num_images` from the keyword arguments without deserialising the pixels). The replica makes the same record from
 the pixels it checked (`replica.deployment.EncoderReplica`) and batches records (`replica.pipeline`).
 
+`TextRequest` is the same for texts (`encode_texts(texts, pooling=..., num_tokens=n, num_texts=k, deadline=d)`):
+its size is tokens, not patches: the text tower runs every text at its fixed length (`seq_len`: CLIP 77,
+SigLIP 64), so a text costs `seq_len` tokens whatever its length, and `counts` holds that per text. Texts are
+tokenized on the replica (it holds the tokenizer with the text weights; see `replica.pipeline`), which answers
+per text `(vector, real tokens)`: the real count (the tokenizer's attention mask, special tokens included, pads
+not) is what `usage.prompt_tokens` adds up. A text record's form is `("text", pooling)`, never an image form,
+so no text is merged into an image batch.
+
 `group(requests)`: records merged by output form, on both sides: the ingress sends one encoder call per form
 of the callers it merged, the replica runs one engine call per form of a batch; `Group.scatter` hands the
 merged outputs (one per image) back to each record by its image count.
@@ -64,9 +72,9 @@ class Group(NamedTuple):
     """Records of one output form, merged: `members` (their positions) and `merged` (all their images, in order)."""
 
     members: list[int]
-    merged: EncodeRequest
+    merged: EncodeRequest | TextRequest
 
-    def scatter(self, outputs: Sequence, requests: Sequence[EncodeRequest], into: list) -> None:
+    def scatter(self, outputs: Sequence, requests: Sequence[EncodeRequest | TextRequest], into: list) -> None:
         """`outputs` of `merged` (one per image, in order) into `into[i]` for each member i, by its image count."""
         pos = 0
         for i in self.members:
@@ -75,21 +83,58 @@ class Group(NamedTuple):
             pos += n
 
 
-def group(requests: Sequence[EncodeRequest]) -> list[Group]:
+@dataclass
+class TextRequest:
+    """One request's texts and the output they want (see the module docstring): the text counterpart of
+    `EncodeRequest`, read by the same batchers (`counts`, `patches`, `images`) with tokens for patches."""
+
+    texts: list[str]
+    counts: list[int]  # tokens per text as the batchers size it: the text tower's fixed length
+    pooling: str  # resolved: "model" or "model-l2"
+    deadline: float | None = None
+    queued_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def patches(self) -> int:
+        """Tokens (the batchers' size unit)."""
+        return sum(self.counts)
+
+    @property
+    def images(self) -> int:
+        """Texts (the batchers' item count)."""
+        return len(self.counts)
+
+    @property
+    def form(self) -> tuple[str, str]:
+        return "text", self.pooling
+
+    def pack(self, start: int, end: int) -> TextRequest:
+        return TextRequest(self.texts[start:end], self.counts[start:end], self.pooling, self.deadline)
+
+    def call(self) -> tuple[str, dict[str, Any]]:
+        """`encode_texts` and its keyword arguments (routers read `num_tokens` and `num_texts`)."""
+        size = {"num_tokens": self.patches, "num_texts": self.images, "deadline": self.deadline}
+        return "encode_texts", {"pooling": self.pooling, **size}
+
+
+def merge(requests: Sequence[EncodeRequest | TextRequest], deadline: float | None) -> EncodeRequest | TextRequest:
+    """Records of one form as one record (their items in order) with `deadline`."""
+    first = requests[0]
+    counts = [n for r in requests for n in r.counts]
+    if isinstance(first, TextRequest):
+        return TextRequest([t for r in requests for t in r.texts], counts, first.pooling, deadline)
+    return EncodeRequest([x for r in requests for x in r.arrays], counts, first.pooling, first.llm, deadline)
+
+
+def group(requests: Sequence[EncodeRequest | TextRequest]) -> list[Group]:
     """`requests` grouped by output form, in order of first appearance; a group's merged request is wanted until
     its last member's deadline (none when a member has none)."""
     forms: dict[tuple[str, str | None], list[int]] = {}
     for i, r in enumerate(requests):
         forms.setdefault(r.form, []).append(i)
     groups = []
-    for (pooling, llm), members in forms.items():
+    for members in forms.values():
         deadlines = [requests[i].deadline for i in members]
-        merged = EncodeRequest(
-            [x for i in members for x in requests[i].arrays],
-            [n for i in members for n in requests[i].counts],
-            pooling,
-            llm,
-            None if None in deadlines else max(deadlines),
-        )
+        merged = merge([requests[i] for i in members], None if None in deadlines else max(deadlines))
         groups.append(Group(members, merged))
     return groups

@@ -157,12 +157,25 @@ class VisionEncoder:
         """Per text, one float32 CPU vector [out_dim]: pooling "model" (the default: CLIP `text_embeds`, SigLIP
         `pooler_output`) or "model-l2" (L2-normalised). InvalidArgumentError for a model without text, an empty
         string or a non-string (naming its index), an unknown pooling."""
+        return self.text_side().encode(texts, pooling)
+
+    def encode_text_ids(self, ids: torch.Tensor, mask: torch.Tensor, pooling: str | None = None) -> list[torch.Tensor]:
+        """`encode_text` of pre-tokenized texts: `ids` and `mask` [B, seq_len] int64 (the tokenizer's, e.g.
+        `text.tokenize`); InvalidArgumentError naming `ids` or `mask` (and the row) for a bad input."""
+        return self.text_side().encode_ids(ids, mask, pooling)
+
+    def text_tokens(self, texts: list[str]) -> list[int]:
+        """Per text, its real (non-pad) tokens after truncation, special tokens included (`usage.prompt_tokens`)."""
+        return self.text_side().token_counts(texts)
+
+    def text_side(self) -> TextEncoder:
+        """The text encoder; InvalidArgumentError for a model without one (images only)."""
         if self.text is None:
             raise InvalidArgumentError(
                 f"model {self.name!r} takes no text: text needs a CLIP / SigLIP checkpoint with its tokenizer "
                 "files (tokenizer.json)"
             )
-        return self.text.encode(texts, pooling)
+        return self.text
 
     @property
     def random_weights(self) -> bool:

@@ -35,6 +35,13 @@ def check_text_pooling(pooling) -> str:
     return pooling
 
 
+def pool_text(out: torch.Tensor, pooling: str) -> list[torch.Tensor]:
+    """[B, out_dim] float32 CPU embeddings -> per text, as the (checked) `pooling` asks."""
+    if pooling == "model-l2":
+        out = torch.nn.functional.normalize(out, dim=-1)
+    return list(out.unbind(0))
+
+
 class TextEncoder:
     """A text tower with its tokenizer; `encode` runs it eagerly on fixed [B, seq_len] token batches."""
 
@@ -53,17 +60,56 @@ class TextEncoder:
         shape = (-1, self.config.seq_len)
         return torch.tensor(ids, dtype=torch.int64).view(shape), torch.tensor(mask, dtype=torch.int64).view(shape)
 
+    def token_counts(self, texts: list[str]) -> list[int]:
+        """Per text, the real (non-pad) tokens the tower runs on after truncation: `usage.prompt_tokens`."""
+        return self.tokenizer.token_counts(check_texts(texts))
+
+    def check_ids(self, ids, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-tokenized input checked as the tower needs it: `ids` and `mask` [B, seq_len] int64 tensors, ids in
+        the vocabulary (an id past it is a device-side assert on CUDA: the process's context is lost), mask 0 / 1
+        with a token in every row (a row of pads only has nothing to attend to: NaN). InvalidArgumentError naming
+        the input (and the row) otherwise."""
+        s, vocab = self.config.seq_len, self.config.vocab_size
+        for name, t in (("ids", ids), ("mask", mask)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(f"{name} must be a torch.Tensor [B, {s}] int64, got {type(t).__name__}")
+            if t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != s:
+                raise InvalidArgumentError(
+                    f"{name} must be a [B, {s}] int64 tensor (texts padded to the model's {s} tokens), got "
+                    f"{list(t.shape)} {t.dtype}"
+                )
+        if ids.shape != mask.shape:
+            raise InvalidArgumentError(f"ids {list(ids.shape)} and mask {list(mask.shape)} differ in shape")
+        if ids.numel():
+            bad = ((ids < 0) | (ids >= vocab)).any(1).nonzero()
+            if bad.numel():
+                i = int(bad[0])
+                raise InvalidArgumentError(f"ids[{i}] has a token id outside the vocabulary [0, {vocab})")
+            bad = ((mask != 0) & (mask != 1)).any(1).nonzero()
+            if bad.numel():
+                raise InvalidArgumentError(f"mask[{int(bad[0])}] has values other than 0 and 1")
+            empty = (mask.sum(1) == 0).nonzero()
+            if empty.numel():
+                raise InvalidArgumentError(f"mask[{int(empty[0])}] has no token (every position is padding)")
+        return ids, mask
+
     @torch.inference_mode()
     def encode(self, texts: list[str], pooling: str | None = None) -> list[torch.Tensor]:
         pooling = check_text_pooling(pooling)
         texts = check_texts(texts)
         if not texts:
             return []
-        ids, mask = (t.to(self.device) for t in self.tokenize(texts))
-        out = self.tower(ids, mask).float().cpu()  # [B, out_dim]
-        if pooling == "model-l2":
-            out = torch.nn.functional.normalize(out, dim=-1)
-        return list(out.unbind(0))
+        return self.encode_ids(*self.tokenize(texts), pooling)
+
+    @torch.inference_mode()
+    def encode_ids(self, ids: torch.Tensor, mask: torch.Tensor, pooling: str | None = None) -> list[torch.Tensor]:
+        """`encode` of pre-tokenized texts (`tokenize`'s ids and mask, [B, seq_len] int64), eagerly."""
+        pooling = check_text_pooling(pooling)
+        ids, mask = self.check_ids(ids, mask)
+        if ids.shape[0] == 0:
+            return []
+        out = self.tower(ids.to(self.device), mask.to(self.device)).float().cpu()  # [B, out_dim]
+        return pool_text(out, pooling)
 
     def logits(self, image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
         """[n_images, n_texts] zero-shot logits from un-normalised embeddings (transformers' `logits_per_image`)."""

@@ -99,6 +99,11 @@ class TextTokenizer:
         encodings = self.tokenizer.encode_batch(texts)
         return [e.ids for e in encodings], [e.attention_mask for e in encodings]
 
+    def token_counts(self, texts: list[str]) -> list[int]:
+        """Per text, its real tokens after truncation (special tokens included, pads not): an API's usage count.
+        Torch-free, so a process without torch (the ingress) can count what the encoder will run."""
+        return [sum(e.attention_mask) for e in self.tokenizer.encode_batch(texts)]
+
 
 def check_texts(texts) -> list[str]:
     """`texts` as a list of non-empty strings; InvalidArgumentError naming the first bad index."""

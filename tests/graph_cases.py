@@ -50,3 +50,10 @@ def bf16_twin(fp32: encoder.VisionEncoder, attention="auto") -> encoder.VisionEn
 
 # what the GPU suites run their whole-table graph tests with: the default, and FA4 where it is installed
 GRAPH_BACKENDS = ["auto"] + (["fa4"] if available_backends().get("fa4") is None else [])
+
+
+def graphs_only(graph):
+    """`graph` (a `workspace.GraphEncoder`) with every pack a bucket takes replayed through its graph: no large,
+    much-padded pack run eagerly at its exact size (`GraphRunner.exact_min_patches`), for tests of replay."""
+    graph.runner.exact_min_patches = None
+    return graph

@@ -1,7 +1,9 @@
 """`GraphEncoder`: a `VisionEncoder` whose forward runs through the bucket graphs.
 
 Its table is `workspace.tables.engine_table` of the model, the given `buckets` and the attention backend's
-`max_graph_tokens` (fixed-resolution towers: image-count tables; see that module).
+`max_graph_tokens` (fixed-resolution towers: image-count tables; see that module). A model with text (CLIP,
+SigLIP2 with its tokenizer) also gets its text tower's graphs: `workspace.text_runner`, table
+`workspace.text_buckets`.
 """
 
 from __future__ import annotations
@@ -9,12 +11,16 @@ from __future__ import annotations
 import torch
 
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
-from encoder.attention import describe_backend, graph_token_cap
+from encoder.attention import describe_backend, graph_token_cap, missing_faster_backend
 from encoder.errors import InvalidArgumentError
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
+from encoder.text_encoder import check_text_pooling, pool_text
+from encoder.tokenization import check_texts
 from workspace.runner import GraphRunner
 from workspace.tables import engine_table, shape_of_encoder
+from workspace.text_buckets import TextTable, text_table
+from workspace.text_runner import TextGraphRunner
 
 
 def max_image_patches(enc: VisionEncoder) -> int:
@@ -90,7 +96,16 @@ class GraphEncoder:
     or None for the default table. On a machine without CUDA the same packing runs eagerly.
     """
 
-    def __init__(self, vision_encoder: VisionEncoder, buckets=None, *, debug: bool = False, pad_mlp: int = 128):
+    def __init__(
+        self,
+        vision_encoder: VisionEncoder,
+        buckets=None,
+        *,
+        debug: bool = False,
+        pad_mlp: int = 128,
+        text_graphs: bool = True,
+        text_buckets: TextTable | None = None,
+    ):
         self.encoder = vision_encoder
         tower = vision_encoder.model
         if vision_encoder.device.type == "cuda":
@@ -100,6 +115,18 @@ class GraphEncoder:
         cap = graph_token_cap(tower.backends)
         self.table = engine_table(shape_of_encoder(vision_encoder), buckets, cap)
         self.runner = GraphRunner(tower, self.table, max_image_patches=max_image_patches(vision_encoder), debug=debug)
+        # the text tower's graphs (a model with text): captured now on CUDA into the image graphs' pool, unless
+        # `text_graphs=False` (then its buckets run eagerly); `text_buckets`: None for the default table
+        self.text_runner: TextGraphRunner | None = None
+        if vision_encoder.supports_text:
+            text_tower = vision_encoder.text.tower
+            table = (
+                text_buckets if text_buckets is not None else text_table(text_tower.seq_len, text_tower.prefix_exact)
+            )
+            use = None if text_graphs else False
+            self.text_runner = TextGraphRunner(
+                text_tower, table, use_graphs=use, pool=self.runner.pool, lock=self.runner.lock, debug=debug
+            )
 
     @property
     def config(self):
@@ -177,8 +204,49 @@ class GraphEncoder:
         host, event = to_host(flat)
         return PendingLLM(host, event, [t.shape[0] for t in out.tokens], layers, batch.grid_thw.tolist())
 
+    # -- text (CLIP / SigLIP checkpoints with their tokenizer) ---------------------------------
+    @property
+    def supports_text(self) -> bool:
+        """True when `encode_text` works (the wrapped `VisionEncoder`'s)."""
+        return self.encoder.supports_text
+
+    def text_tokens(self, texts: list[str]) -> list[int]:
+        """Per text, its real (non-pad) tokens after truncation, special tokens included (`usage.prompt_tokens`)."""
+        return self.encoder.text_tokens(texts)
+
+    @torch.inference_mode()
+    def encode_text(self, texts: list[str], pooling: str | None = None) -> list[torch.Tensor]:
+        """Per text, one float32 CPU vector [out_dim], as `VisionEncoder.encode_text` (same poolings and errors)."""
+        text = self.encoder.text_side()
+        pooling = check_text_pooling(pooling)
+        texts = check_texts(texts)
+        if not texts:
+            return []
+        ids, mask = text.tokenize(texts)
+        return self.encode_text_ids(ids, mask, pooling)
+
+    @torch.inference_mode()
+    def encode_text_ids(self, ids: torch.Tensor, mask: torch.Tensor, pooling: str | None = None) -> list[torch.Tensor]:
+        """`encode_text` of pre-tokenized texts: `ids` and `mask` [B, seq_len] int64, as the model's tokenizer
+        writes them (`VisionEncoder.text.tokenize`). InvalidArgumentError naming `ids` / `mask` for a bad input."""
+        text = self.encoder.text_side()
+        pooling = check_text_pooling(pooling)
+        ids, mask = text.check_ids(ids, mask)
+        if ids.shape[0] == 0:
+            return []
+        out = self.text_runner.run(ids, mask)  # [B, out_dim] float32, device
+        return pool_text(out.cpu(), pooling)
+
+    def attention_hint(self) -> str | None:
+        """A faster attention backend this GPU would run with `auto` but which is not installed, and how to
+        install it (for the start-up line); None when there is none."""
+        return missing_faster_backend(self.encoder.model.backends, self.encoder.device)
+
     def stats(self) -> dict:
         """The runner's counters, plus the attention backend of each layer kind (for `auto`: which
         backend ran which graph shapes' segment bounds)."""
         kinds = {kind: describe_backend(b) for kind, b in self.encoder.model.backends.items()}
-        return {**self.runner.stats.as_dict(), "attention": kinds}
+        out = {**self.runner.stats.as_dict(), "attention": kinds}
+        if self.text_runner is not None:  # the text graphs' counters, under their own key
+            out["text"] = self.text_runner.stats.as_dict()
+        return out

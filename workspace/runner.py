@@ -3,7 +3,8 @@
 Every bucket of the table is captured in the constructor, largest first, into one shared memory
 pool. A batch is split into packs (`BucketTable.pack`); each pack is written into its bucket's
 `Workspace` and replayed. Images no bucket takes (above the largest budget or the per-image bound,
-or of several frames) run eagerly, each alone, through the same body. Without CUDA nothing is
+or of several frames) run eagerly, each alone, through the same body, and so does a large pack its bucket
+would pad much (`EXACT_MIN_PATCHES`), at its exact size. Without CUDA nothing is
 captured and every pack runs that body eagerly, so CPU tests exercise packing, padding and geometry.
 
 The runner knows no tower family: it talks to the tower only through `encoder.models.tower.GraphTower`
@@ -48,7 +49,8 @@ class RunnerStats:
     capture_bytes: int = 0  # graph pool memory reserved by the captures
     workspace_bytes: int = 0
     replays: Counter = field(default_factory=Counter)  # budget -> replays
-    eager_runs: int = 0
+    eager_runs: int = 0  # packs run without a graph: images no bucket takes, and large packs at their exact size
+    exact_runs: int = 0  # of those, packs a bucket would have taken with much padding (`GraphRunner._exact`)
     real_patches: int = 0
     padded_patches: int = 0
     images: int = 0
@@ -63,10 +65,20 @@ class RunnerStats:
             # atomic under the GIL, then sorted; iterating the live Counter could meet a key added mid-way
             "replays": dict(sorted(dict.copy(self.replays).items())),
             "eager_runs": self.eager_runs,
+            "exact_runs": self.exact_runs,
             "real_patches": self.real_patches,
             "padded_patches": self.padded_patches,
             "images": self.images,
         }
+
+
+# A pack of at least EXACT_MIN_PATCHES that would pad its bucket by at least EXACT_MIN_PADDING of the budget runs
+# eagerly at its exact size: at that size the GPU work dwarfs the launches a graph saves, and the padding rows
+# are pure waste. Measured on the H100 (docs/performance.md, utilisation rows): Qwen3-VL-8B 8 x 896² (25,088
+# patches in the 32,768 bucket, 23% padding) 94.1 ms eager against 106.8 ms replayed; 32 x 224² (6,272 in
+# 8,192) 16.7 ms against 18.4 ms.
+EXACT_MIN_PATCHES = 4096
+EXACT_MIN_PADDING = 0.125
 
 
 class GraphRunner:
@@ -87,10 +99,16 @@ class GraphRunner:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.debug = debug
         self.max_image_patches = max_image_patches
+        # packs this large and this padded run eagerly at their exact size (see EXACT_MIN_PATCHES); None: never
+        self.exact_min_patches: int | None = EXACT_MIN_PATCHES
+        self.exact_min_padding = EXACT_MIN_PADDING
         self.stats = RunnerStats()
         self.workspaces: dict[GraphShape, Workspace] = {}
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
-        self._lock = threading.Lock()
+        # the graphs' memory pool (None until captured) and the lock that orders replays: the text graphs
+        # (`workspace.text_runner`) capture into the same pool, so they take the same lock
+        self.pool = None
+        self.lock = threading.Lock()
         per_image = tower.patches_per_image
         for key in table.keys:
             if per_image is not None and key.budget != key.max_images * per_image:
@@ -147,7 +165,7 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved(self.device)
@@ -181,9 +199,22 @@ class GraphRunner:
         self.stats.capture_bytes = torch.cuda.memory_reserved(self.device) - before - ws_bytes
 
     # -- running a batch ---------------------------------------------------------------------
+    def _exact(self, pack: Pack) -> Pack:
+        """`pack` as an eager pack of its exact size when it is large and its bucket would pad it much."""
+        if pack.key is None or self.exact_min_patches is None or pack.total < self.exact_min_patches:
+            return pack
+        if pack.padded < self.exact_min_padding * pack.key.budget:
+            return pack
+        self.stats.exact_runs += 1
+        return Pack(None, pack.indices, pack.total)
+
     def _packs(self, counts: list[int], grid: list[list[int]]) -> list[Pack]:
         """The table's packs, where an image no graph takes (above the per-image bound, or of several frames)
-        leaves its pack for an eager pack of its own; the images on either side of it keep their bucket."""
+        leaves its pack for an eager pack of its own; the images on either side of it keep their bucket. A
+        large pack its bucket would pad much runs eagerly at its exact size (`_exact`)."""
+        return [self._exact(pack) for pack in self._bucket_packs(counts, grid)]
+
+    def _bucket_packs(self, counts: list[int], grid: list[list[int]]) -> list[Pack]:
         packs: list[Pack] = []
         for pack in self.table.pack(counts):
             alone = [i for i in pack.indices if counts[i] > self.max_image_patches or grid[i][0] != 1]
@@ -220,7 +251,7 @@ class GraphRunner:
         out_means: list[torch.Tensor | None] = [None] * n
         out_pooled: list[torch.Tensor | None] = [None] * n
         out_deep: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        with self._lock:
+        with self.lock:
             for pack in self._packs(counts, grid):
                 in_bucket = pack.key is not None
                 run = self._run_bucket if in_bucket else self._run_eager

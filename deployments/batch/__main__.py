@@ -1,10 +1,11 @@
-"""Embed the images of Parquet / Arrow IPC files: `python -m deployments.batch --input PATH --output DIR`.
+"""Embed the images (or, with --text-column, the texts) of Parquet / Arrow IPC files:
+`python -m deployments.batch --input PATH --output DIR`.
 
 Output: Parquet parts in DIR with every non-image input column, `embedding` and `error` (see
 README "Batch jobs"), plus DIR/_manifest.json. Re-running the same command resumes: finished
 parts are skipped. --model takes a preset, a checkpoint directory or a Hugging Face Hub id
-(org/name[@revision]). An image that cannot be read or decoded is an error row (its `error` column),
-not a failed job.
+(org/name[@revision]). An image that cannot be read or decoded, or a null or empty text, is an error row (its
+`error` column), not a failed job.
 
 Exit status:
   0    the job is complete
@@ -53,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     p.add_argument("--input", required=True, nargs="+", help="Parquet / Arrow IPC files or directories")
     p.add_argument("--output", required=True, help="output directory (created; holds parts and the manifest)")
     p.add_argument("--image-column", default="image", help="binary (encoded images) or string (local paths)")
+    p.add_argument(
+        "--text-column",
+        default=None,
+        help="embed this string column with the model's text tower instead of images (CLIP / SigLIP2 checkpoints "
+        "with their tokenizer files; --pooling model or model-l2); a null or empty text is an error row",
+    )
     p.add_argument("--id-column", default="id", help="column naming rows in the summary (default: id, if present)")
     p.add_argument("--model", default="tiny", help="preset, checkpoint directory or Hub id org/name[@rev]")
     p.add_argument(

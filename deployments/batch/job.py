@@ -52,6 +52,7 @@ from deployments.batch.model_facts import (
 from deployments.batch.options import JobConfig
 from deployments.batch.pipeline import embed_dataset
 from deployments.batch.reaper import start_reaper
+from deployments.batch.texts import TEXT_ROWS_PER_BATCH, check_text_model, check_text_schema, text_pooling
 from deployments.preflight import ray_address
 from encoder.errors import InvalidArgumentError, RandomWeightsWarning
 
@@ -72,6 +73,7 @@ class JobSummary:
     error_ids: list = field(default_factory=list)
     complete: bool = False
     first_batch_seconds: float = 0.0  # start -> first embedded rows back (actor start-up, graph capture)
+    unit: str = "images"  # what a row holds: "images", or "texts" for a text job
     arrivals: list = field(default_factory=list, repr=False)  # (seconds, rows back so far) per output batch
 
     @property
@@ -92,11 +94,11 @@ class JobSummary:
         state = "complete" if self.complete else "INCOMPLETE (re-run the same command to resume)"
         if self.rows:
             steady = self.steady_images_per_second
-            rates = f"{self.images_per_second:.1f} images/s overall" + (
+            rates = f"{self.images_per_second:.1f} {self.unit}/s overall" + (
                 f", {steady:.1f} after the first 10%" if steady else ""
             )
             this_run = (
-                f"  this run: {self.rows} images, {self.error_rows} error rows, {self.seconds:.1f} s, {rates} "
+                f"  this run: {self.rows} {self.unit}, {self.error_rows} error rows, {self.seconds:.1f} s, {rates} "
                 f"(first rows back after {self.first_batch_seconds:.1f} s)"
             )
         else:  # a re-run of a finished job: no rate to report
@@ -122,6 +124,8 @@ def job_params(cfg: JobConfig, files: list[InputFile], part_rows: int) -> dict:
     return {
         "inputs": [{"path": f.path, "rows": f.num_rows, "bytes": f.bytes, "mtime_ns": f.mtime_ns} for f in files],
         "image_column": cfg.image_column,
+        # only when set, as quantization below
+        **({"text_column": cfg.text_column} if cfg.text_column else {}),
         "model": model,
         "pooling": cfg.pooling,
         "dtype": cfg.dtype,
@@ -137,6 +141,8 @@ def check_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfig) ->
     """Check each input file, and the files against each other (Ray Data mixes their rows in its blocks: a
     column of other types in another file fails the whole job at run time, and a file of paths beside one
     of bytes would be decoded as bytes); returns the id column, or None for none. JobError names the file."""
+    if cfg.text_column is not None:
+        return check_text_inputs(paths, schemas, cfg)
     for path, schema in zip(paths, schemas, strict=True):
         try:
             check_input_schema(schema, cfg.image_column)
@@ -169,6 +175,32 @@ def check_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfig) ->
     return id_column
 
 
+def check_text_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfig) -> str | None:
+    """`check_inputs` of a text job: the text column in every file, a string column; the id column as for images."""
+    for path, schema in zip(paths, schemas, strict=True):
+        try:
+            check_text_schema(schema, cfg.text_column)
+        except InvalidArgumentError as exc:
+            raise JobError(f"{path}: {exc}") from None
+        if set(schema.names) & {PART_COLUMN, ROW_COLUMN}:
+            raise JobError(f"{path}: columns {PART_COLUMN}/{ROW_COLUMN} are reserved")
+        try:
+            pa.unify_schemas([schemas[0], schema], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, NotImplementedError) as exc:
+            raise JobError(f"{path}: its columns do not fit those of {paths[0]} ({exc})") from None
+    id_column = cfg.id_column if cfg.id_column and cfg.id_column in schemas[0].names else None
+    if cfg.id_column and id_column is None and cfg.id_column != "id":
+        raise JobError(f"no id column {cfg.id_column!r} in the input; columns: {', '.join(schemas[0].names)}")
+    if id_column == cfg.text_column:
+        raise JobError(
+            f"--id-column {id_column!r} is the text column, which the output does not keep; name another column"
+        )
+    for path, schema in zip(paths, schemas, strict=True):
+        if id_column is not None and id_column not in schema.names:
+            raise JobError(f"{path}: no id column {id_column!r} (the other inputs have it)")
+    return id_column
+
+
 def resolve_part_rows(cfg: JobConfig) -> int:
     if cfg.part_rows is not None:
         return cfg.part_rows
@@ -192,8 +224,12 @@ def make_output_dir(out: Path) -> None:
 
 def run_job(cfg: JobConfig) -> JobSummary:
     """Run (or resume) a batch job; returns its summary (also printed)."""
-    try:  # a bad model name or pooling fails here, before anything starts
-        cfg = cfg.model_copy(update={"pooling": resolve_pooling(cfg.pooling, cfg.model)})
+    try:  # a bad model name or pooling (a model without text, for a text job) fails here, before anything starts
+        if cfg.text_column is not None:
+            check_text_model(cfg.model)
+            cfg = cfg.model_copy(update={"pooling": text_pooling(cfg.pooling)})
+        else:
+            cfg = cfg.model_copy(update={"pooling": resolve_pooling(cfg.pooling, cfg.model)})
     except InvalidArgumentError as exc:
         raise JobError(str(exc)) from None
     preprocess_config_for(cfg.model)
@@ -217,6 +253,7 @@ def run_job(cfg: JobConfig) -> JobSummary:
         done = manifest.done()
         todo = [p for p in parts if p.name not in done]
         summary = JobSummary(str(out), sum(f.num_rows for f in files), len(parts), len(done))
+        summary.unit = "texts" if cfg.text_column else "images"
         if todo:
             PartsRunner(cfg, files, manifest, summary, id_column).run(todo)
         summary.complete = summary.parts_done == summary.total_parts
@@ -229,8 +266,9 @@ class Progress:
     """`[deployments.batch] 1200/5000 images (24%), 310.5 images/s` on stderr, at most every `every_s` and
     once at the end."""
 
-    def __init__(self, total: int, enabled: bool = True, every_s: float = 5.0):
+    def __init__(self, total: int, enabled: bool = True, every_s: float = 5.0, unit: str = "images"):
         self.total, self.enabled, self.every_s, self._last = total, enabled, every_s, float("-inf")
+        self.unit = unit
 
     def update(self, done: int, seconds: float) -> None:
         if not self.enabled or (done < self.total and seconds - self._last < self.every_s):
@@ -238,8 +276,8 @@ class Progress:
         self._last = seconds
         rate = done / seconds if seconds > 0 else 0.0
         print(
-            f"[deployments.batch] {done}/{self.total} images ({100 * done // max(1, self.total)}%), "
-            f"{rate:.1f} images/s",
+            f"[deployments.batch] {done}/{self.total} {self.unit} ({100 * done // max(1, self.total)}%), "
+            f"{rate:.1f} {self.unit}/s",
             file=sys.stderr,
             flush=True,
         )
@@ -286,6 +324,8 @@ class PartsRunner:
             )
         gpus = available if cfg.num_gpus is None else cfg.num_gpus
         batch_size = cfg.batch_size
+        if batch_size is None and cfg.text_column is not None:
+            batch_size = TEXT_ROWS_PER_BATCH
         if batch_size is None:
             values, typ = head_values(self.files[todo[0].file], cfg.image_column)
             pp = preprocess_config_for(cfg.model)
@@ -325,7 +365,7 @@ class PartsRunner:
             flush=True,
         )
         start = time.perf_counter()
-        progress = Progress(rows, enabled=options.progress)
+        progress = Progress(rows, enabled=options.progress, unit=summary.unit)
         try:
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
                 now = time.perf_counter() - start

@@ -25,6 +25,11 @@ class EmbedOptions(BaseModel):
 
     model: str = Field("tiny", description="Preset name or local Hugging Face checkpoint directory.")
     image_column: str = "image"
+    text_column: str | None = Field(
+        None,
+        description="Embed this string column with the model's text tower instead of the image column (CLIP, "
+        "SigLIP2 checkpoints with their tokenizer files); pooling 'model' (default) or 'model-l2'.",
+    )
     # None, as the CLI and the HTTP API default: the model's own embedding ('model' for CLIP / SigLIP, else 'mean')
     pooling: str | None = Field(None, description="None: the model's default embedding ('model' for CLIP / SigLIP).")
     batch_size: int | None = Field(None, ge=1, description="Rows per encoder batch; None: from the typical patches.")

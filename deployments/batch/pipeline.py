@@ -1,4 +1,5 @@
-"""`embed_dataset`: images in an Arrow column -> embeddings, with Ray Data.
+"""`embed_dataset`: images in an Arrow column -> embeddings, with Ray Data (or, with `text_column`, texts:
+`deployments.batch.texts`).
 
 Two stages: decode (`deployments.batch.decode`, Ray tasks on CPUs) and encode (`deployments.batch.actor`,
 an actor pool, one GPU per actor where GPUs exist). Ray Data batches by rows, so rows per encoder batch are
@@ -38,7 +39,8 @@ def arrow_schema(schema) -> pa.Schema | None:
 
 
 def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
-    """Embed the images of `ds[image_column]`; returns a lazy `ray.data.Dataset`.
+    """Embed the images of `ds[image_column]` (or, with `text_column`, the texts of that string column, in the
+    images' embedding space: `deployments.batch.texts`); returns a lazy `ray.data.Dataset`.
 
     The parameters are `EmbedOptions`' fields, given as keywords (`model="tiny", pooling="mean"`) or as one
     `EmbedOptions` (a batch job passes its `JobConfig`).
@@ -74,6 +76,8 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     elif kwargs:
         options = EmbedOptions.of(**(options.model_dump() | kwargs))
     o, model, image_column = options, options.model, options.image_column
+    if o.text_column is not None:
+        return _embed_text_column(ds, o)
     pooling = resolve_pooling(o.pooling, model)
     pp = preprocess_config_for(model)  # also validates the model name / directory up front
     if resolved(model).random_weights:  # here, once, at the caller's line; the actors keep quiet about it
@@ -143,3 +147,24 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
             # encoder actor (a GPU fault, a lost node) ends the job instead; a re-run keeps its finished parts.
             max_restarts=0,
         )
+
+
+def _embed_text_column(ds, o: EmbedOptions):
+    """`embed_dataset` of a text column (`deployments.batch.texts`): model, pooling and schema checked first."""
+    from deployments.batch.texts import check_text_model, check_text_schema, embed_texts, text_pooling
+
+    pooling = text_pooling(o.pooling)
+    check_text_model(o.model)
+    if resolved(o.model).random_weights:
+        RandomWeightsWarning.warn(o.model, stacklevel=3)
+    schema = ds.schema(fetch_if_missing=False)
+    if schema is not None:
+        arrow = arrow_schema(schema)
+        if arrow is not None:
+            check_text_schema(arrow, o.text_column)
+        elif o.text_column not in schema.names:
+            raise InvalidArgumentError(f"no column {o.text_column!r} in the input; columns: {', '.join(schema.names)}")
+    gpus = gpus_in_cluster() if o.num_gpus is None else o.num_gpus
+    if o.quantization and gpus == 0:
+        raise InvalidArgumentError(f"quantization {o.quantization!r} needs GPU encoder actors; the cluster has no GPU")
+    return embed_texts(ds, o, pooling, gpus)

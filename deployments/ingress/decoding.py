@@ -48,6 +48,12 @@ _INLINE_DECODE_BYTES = 384 * 1024
 _INLINE_DECODE_PIXELS = 256 * 256
 
 
+def _where(label: str | Callable[[int], str], i: int) -> str:
+    """How errors name image `i` of a request: `label[i]`, or `label(i)` (a request of text and image items names
+    an image by its position among all of them)."""
+    return label(i) if callable(label) else f"{label}[{i}]"
+
+
 def _small(x: Any) -> bool:
     if isinstance(x, bytes | bytearray | memoryview | str):
         return len(x) <= _INLINE_DECODE_BYTES
@@ -99,7 +105,7 @@ class IngressDecoder:
         if self._procs is not None:
             self._procs.close()
 
-    async def _fetch_urls(self, images: list, label: str) -> list:
+    async def _fetch_urls(self, images: list, label: str | Callable[[int], str]) -> list:
         """Allowlisted image URLs -> their bytes (concurrently); other inputs unchanged. Without an allowlist
         URLs stay strings and are refused (400) when parsed."""
         if not self._urls.enabled:
@@ -112,7 +118,7 @@ class IngressDecoder:
             try:
                 data, media = await self._urls.fetch(images[i])
             except EncoderError as e:
-                raise with_index(e, f"{label}[{i}]") from None
+                raise with_index(e, _where(label, i)) from None
             return data
 
         fetched = await gather_or_cancel(one(i) for i in where)
@@ -121,7 +127,7 @@ class IngressDecoder:
             images[i] = data
         return images
 
-    async def _finish(self, i: int, o: Opened, pp: ProcessorConfig, label: str) -> np.ndarray:
+    async def _finish(self, i: int, o: Opened, pp: ProcessorConfig, label: str | Callable[[int], str]) -> np.ndarray:
         """Decode + resize one opened input: encoded bytes in a decode process, decoded inputs in a thread."""
         try:
             if o.data is not None:
@@ -129,13 +135,13 @@ class IngressDecoder:
                 return await procs.decode_async(o.data, self._timeout_s)
             return await asyncio.get_running_loop().run_in_executor(self._pool, finish_input, o, pp)
         except EncoderError as e:
-            raise with_index(e, f"{label}[{i}]") from None
+            raise with_index(e, _where(label, i)) from None
 
     async def prepare(
         self,
         images: list,
         pp: ProcessorConfig,
-        label: str,
+        label: str | Callable[[int], str],
         max_patches: int | None = None,
         reserve: Callable[[int], None] | None = None,
     ) -> list[np.ndarray]:
@@ -150,7 +156,7 @@ class IngressDecoder:
             try:
                 return open_input(x, pp, max_bytes)
             except EncoderError as e:
-                raise with_index(e, f"{label}[{i}]") from None
+                raise with_index(e, _where(label, i)) from None
 
         def admit(total: int) -> None:
             if max_patches is not None:
@@ -168,7 +174,7 @@ class IngressDecoder:
                 try:
                     out = finish_input(o, pp)
                 except EncoderError as e:
-                    raise with_index(e, f"{label}[0]") from None
+                    raise with_index(e, _where(label, 0)) from None
                 self._timings.add(open=opened_at - started, decode=time.perf_counter() - opened_at)
                 return [out]
             headers = [o]

@@ -4,7 +4,7 @@
 
 * `http_routes.HttpRoutes`: what `POST /v1/embeddings`, `GET /v1/models` and `GET /health` do; the request
   schema, answer bodies and error answers are `openai_api`'s, which status an error gets `errors`'.
-* `handle_calls.HandleCalls`: what `embed` and `embed_llm` do.
+* `handle_calls.HandleCalls`: what `embed`, `embed_llm` and `embed_text` do.
 * `lifecycle.Lifecycle`: what both do with a parsed request (admission, pooling, decode, deadline, encoder
   call, accounting), written once.
 * `decoding.IngressDecoder`: header checks, the request's patch total, then decode and resize to uint8
@@ -52,7 +52,8 @@ _OPENAPI_BODY = {
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api)
 class VisionIngress:
-    """HTTP routes (`/v1/embeddings`, `/v1/models`, `/health`) and the handle methods `embed`, `embed_llm`."""
+    """HTTP routes (`/v1/embeddings`, `/v1/models`, `/health`) and the handle methods `embed`, `embed_llm`,
+    `embed_text`."""
 
     def __init__(self, encoder: DeploymentHandle, args: dict):
         check_ray()
@@ -104,6 +105,16 @@ class VisionIngress:
         `dtype=None` is float32."""
         return [handle_item(w) for w in await self._handle(images, "none", dtype or "float32")]
 
+    async def embed_text(self, texts, pooling: str | None = None) -> list[np.ndarray]:
+        """Embeddings of `texts` (a list of non-empty strings; one string is a list of one), for a model with a
+        text tower (CLIP, SigLIP2 with their tokenizer files): per text a float32 array [out_dim], in the image
+        embeddings' space. `pooling`: "model" (None: the model's text embedding) or "model-l2". A text longer than
+        the tower's length is cut as the model's tokenizer cuts it. Raises `encoder.EncoderError` subclasses as
+        `embed` does: an empty or non-string text (naming `texts[i]`), a model without text
+        (`deployments.errors.RequestError`, code `text_not_supported`), an image-only pooling; over capacity and
+        time limit as `embed`."""
+        return await self._handle.text(texts, pooling)
+
     async def info(self) -> dict:
         """The encoder's `describe()` as this ingress uses it (its preprocessing carries the decode limits)."""
         return await self._client.info()
@@ -133,11 +144,11 @@ class VisionIngress:
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        return self._http.models(request)
+        return await self._http.models(request)
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, request: Request, model_id: str) -> Response:
-        return self._http.model(request, model_id)
+        return await self._http.model(request, model_id)
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request) -> Response:

@@ -2,7 +2,10 @@
 
 `EncoderClient.encode(arrays, pooling, llm)` sends resized uint8 images to the encoder deployment with
 `encode_pixels(pixels, pooling=..., num_patches=n, num_images=k)` (pooled vectors) or `encode_llm_pixels(pixels,
-dtype=..., num_patches=n, num_images=k)` (per-token LLM-ready outputs in a wire dtype):
+dtype=..., num_patches=n, num_images=k)` (per-token LLM-ready outputs in a wire dtype); `encode_texts(texts,
+pooling)` sends texts with `encode_texts(texts, pooling=..., num_tokens=n, num_texts=k)` (`wire.TextRequest`:
+tokens are the text tower's fixed length per text). Both go through the same machinery, text and image records
+never in one call (`wire.group`):
 
 * merging (`ingress_batch_size` > 1): calls that arrive while `ingress_max_concurrent_batches` merged
   requests are in flight wait and go together in the next one (no timer: an idle call goes out at once),
@@ -51,7 +54,7 @@ from deployments.llm_outputs import wire_itemsize
 from deployments.metrics import IngressTelemetry
 from deployments.ray_compat import by_reference, call_with_request_id, new_request_id
 from deployments.routing.progress import ReplicaProgress, ReplicaStalledError, no_progress_message, progress_for
-from deployments.wire import EncodeRequest, group
+from deployments.wire import EncodeRequest, TextRequest, group
 from encoder.preprocessing.families import preprocess_config_from_dump
 
 logger = logging.getLogger("ray.serve")
@@ -74,6 +77,14 @@ def chunk(counts: list[int], max_patches: int, max_images: int) -> list[tuple[in
     if counts:
         ranges.append((start, len(counts)))
     return ranges
+
+
+def batch_limits(info: dict, request: EncodeRequest | TextRequest) -> tuple[int, int]:
+    """(patches or tokens, images or texts) one encoder call of this kind may carry: the replica's batch limits."""
+    if isinstance(request, TextRequest):
+        text = info["text"]
+        return text["max_batch_texts"] * text["seq_len"], text["max_batch_texts"]
+    return info["max_batch_patches"], info["max_batch_images"]
 
 
 def answer_bytes(info: dict, counts: list[int], pooling: str, llm: str | None) -> int:
@@ -245,24 +256,39 @@ class EncoderClient:
         info = await self.info()
         p = info["preprocess_config"].patch_size
         request = EncodeRequest(arrays, [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays], pooling, llm, deadline)
+        return await self._request(request, info), request.patches
+
+    async def encode_texts(self, texts: list[str], pooling: str, deadline: float | None = None) -> list:
+        """Per text `(float32 vector, real tokens)`. `pooling`: resolved ("model" or "model-l2"); the model has a
+        text side (the lifecycle checked `info()["text"]`)."""
+        info = await self.info()
+        request = TextRequest(list(texts), [info["text"]["seq_len"]] * len(texts), pooling, deadline)
+        return await self._request(request, info)
+
+    async def _request(self, request: EncodeRequest | TextRequest, info: dict) -> list:
         # only what fits one encoder call is merged: a request of several packs would hold a merge slot (and
         # the callers merged with it) for all of them
-        small = request.images < self.args.ingress_batch_size and request.patches <= info["max_batch_patches"]
+        small = request.images < self.args.ingress_batch_size and request.patches <= batch_limits(info, request)[0]
         if self._merge is not None and small:
             self._telemetry.count("merged_calls")
-            return await self._merge(request), request.patches
-        return await self._send(request), request.patches
+            return await self._merge(request)
+        return await self._send(request)
 
-    async def _send(self, request: EncodeRequest) -> list:
+    async def _send(self, request: EncodeRequest | TextRequest) -> list:
         info = await self.info()
-        ranges = chunk(request.counts, info["max_batch_patches"], info["max_batch_images"])
+        ranges = chunk(request.counts, *batch_limits(info, request))
         packs = [request.pack(s, e) for s, e in ranges]
 
-        def call(pack: EncodeRequest):
-            big = (
-                sum(x.nbytes for x in pack.arrays) > _INLINE_BYTES
-                or answer_bytes(info, pack.counts, pack.pooling, pack.llm) > _INLINE_ANSWER_BYTES
-            )
+        def call(pack: EncodeRequest | TextRequest):
+            if isinstance(pack, TextRequest):
+                payload = pack.texts
+                big = sum(len(t) for t in pack.texts) > _INLINE_BYTES
+            else:
+                payload = pack.arrays
+                big = (
+                    sum(x.nbytes for x in pack.arrays) > _INLINE_BYTES
+                    or answer_bytes(info, pack.counts, pack.pooling, pack.llm) > _INLINE_ANSWER_BYTES
+                )
             handle = self._encoder_by_ref if big else self._encoder
             # the keyword arguments carry what the router reads (`routing.assignment.request_size`): a bucket
             # caps images as well as patches
@@ -272,7 +298,7 @@ class EncoderClient:
 
             async def timed() -> list:
                 started = time.perf_counter()
-                out = await self._watch.call(method, pack.arrays, **kwargs)
+                out = await self._watch.call(method, payload, **kwargs)
                 self._telemetry.timings["encoder_call"].add(**{route: time.perf_counter() - started})
                 return out
 
@@ -286,7 +312,7 @@ class EncoderClient:
         # is given up (deadline, disconnect, a failed pack) its packs not yet sent are never sent.
         window = asyncio.Semaphore(self.args.ingress_packs_in_flight)
 
-        async def send(pack: EncodeRequest) -> list:
+        async def send(pack: EncodeRequest | TextRequest) -> list:
             async with window:
                 self._telemetry.count("encoder_requests")
                 return await self._retrying(call(pack))
@@ -294,7 +320,7 @@ class EncoderClient:
         results = await gather_or_cancel(send(pack) for pack in packs)
         return [v for part in results for v in part]
 
-    async def _run_merged(self, requests: list[EncodeRequest]) -> list[list]:
+    async def _run_merged(self, requests: list[EncodeRequest | TextRequest]) -> list[list]:
         """One encoder call per output form of the merged callers (`wire.group`), each caller's outputs back."""
         self._telemetry.count("merged_batches")
         out: list[list | None] = [None] * len(requests)

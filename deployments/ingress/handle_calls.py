@@ -1,4 +1,4 @@
-"""What the ingress's Python handle methods do (`VisionIngress.embed`, `embed_llm` delegate here).
+"""What the ingress's Python handle methods do (`VisionIngress.embed`, `embed_llm`, `embed_text` delegate here).
 
 Same path as HTTP without the HTTP parts: admission (a `BackPressureError` at once when this replica is
 full: requests, bytes of inputs or patches, `limits.Admission`; 503 while the service shuts down), the images
@@ -23,6 +23,7 @@ from deployments.metrics import IngressTelemetry
 from deployments.shutdown import DrainWatch, ShuttingDownError
 from encoder.errors import EncoderError
 from encoder.poolings import check_pooling
+from encoder.tokenization import check_texts
 
 
 def _nbytes(x) -> int:
@@ -69,6 +70,26 @@ class HandleCalls:
             return await self._lifecycle.encode(flight, EmbedOrder(list(images), pooling, llm))
 
         return await self._lifecycle.run("handle", len(images), body, _failed, started=started)
+
+    async def text(self, texts, pooling: str | None) -> list:
+        """Per text its float32 vector (`embed_text`): texts checked here (`InvalidArgumentError` naming
+        `texts[i]`), then the same lifecycle as images."""
+        started = time.perf_counter()
+        if isinstance(texts, str):
+            texts = [texts]
+        n = len(texts) if isinstance(texts, list | tuple) else 0
+        if self._lifecycle.refused_draining("handle", n, started):
+            raise ShuttingDownError(retry_after_s=self.args.retry_after_s)
+
+        async def body(flight: Flight) -> list:
+            checked = check_texts(texts)
+            flight.reserve_bytes(sum(len(t) for t in checked))
+            flight.enter()
+            if pooling is not None:
+                check_pooling(pooling)
+            return await self._lifecycle.encode(flight, EmbedOrder([], pooling, texts=checked))
+
+        return await self._lifecycle.run("handle", n, body, _failed, started=started)
 
 
 def _failed(e: Exception, flight: Flight, expired: bool) -> tuple[BaseException, str]:

@@ -32,7 +32,14 @@ from deployments.ingress.encoder_calls import EncoderClient
 from deployments.ingress.lifecycle import EmbedOrder, Flight, Lifecycle
 from deployments.ingress.limits import Admission, check_content_type, header_bytes, read_body
 from deployments.ingress.memory import MemoryTrimmer
-from deployments.ingress.openai_api import EmbeddingRequest, embeddings_body, error_response, parse_embedding_request
+from deployments.ingress.openai_api import (
+    EmbeddingRequest,
+    Items,
+    embeddings_body,
+    error_response,
+    input_items,
+    parse_embedding_request,
+)
 from deployments.ingress.readiness import Readiness
 from deployments.ingress.security import ApiKeyAuth
 from deployments.metrics import IngressTelemetry
@@ -44,6 +51,14 @@ _PARSE_INLINE_BYTES = 256 * 1024
 # 1/40 of one) are built in the thread pool. Measured on a CPU of the project machines: 64 x 3,584 float32
 # tokens take ~6 ms as JSON text and ~0.1 ms as base64, less than the hand-off to a thread and back.
 _ANSWER_INLINE = 65536
+# `GET /v1/models` waits at most this long for the encoder's facts (whether it takes text)
+_MODELS_INFO_WAIT_S = 2.0
+
+
+def _parse(raw: bytes) -> tuple[EmbeddingRequest, Items]:
+    """The body parsed and its `input` split into images and texts (400 / 422 for either)."""
+    parsed = parse_embedding_request(raw)
+    return parsed, input_items(parsed.input, parsed.input_type)
 
 
 def _answer_cost(outputs: list, encoding_format: str) -> float:
@@ -112,13 +127,12 @@ class HttpRoutes:
             reading = False
             flight.enter()
             if len(raw) > _PARSE_INLINE_BYTES:
-                parsed = await asyncio.get_running_loop().run_in_executor(self._pool, parse_embedding_request, raw)
+                parsed, items = await asyncio.get_running_loop().run_in_executor(self._pool, _parse, raw)
             else:
-                parsed = parse_embedding_request(raw)
+                parsed, items = _parse(raw)
             del raw
-            inputs = [parsed.input] if isinstance(parsed.input, str) else parsed.input
-            flight.n_images = len(inputs)
-            return Response(content=await self._embeddings(flight, parsed, inputs), media_type="application/json")
+            flight.n_images = len(items)
+            return Response(content=await self._embeddings(flight, parsed, items), media_type="application/json")
 
         def on_error(e: Exception, flight: Flight, expired: bool) -> tuple[Response, str]:
             if isinstance(e, ClientDisconnect):  # gone before its body arrived (e.g. short of its Content-Length)
@@ -134,24 +148,26 @@ class HttpRoutes:
 
         return await self._lifecycle.run("http", 0, body, on_error, self._trimmer.trim_after, started)
 
-    async def _embeddings(self, flight: Flight, body: EmbeddingRequest, inputs: list[str]) -> bytes:
+    async def _embeddings(self, flight: Flight, body: EmbeddingRequest, items: Items) -> bytes:
         a = self.args
         if body.model is not None and body.model != self._model_name:
             raise self._unknown_model(body.model)
-        if len(inputs) > a.max_request_images:
+        if len(items) > a.max_request_images:  # the limit on items: images and texts
+            what = "images" if not items.texts else "items" if items.images else "texts"
             raise RequestError(
-                f"{len(inputs)} images in one request; the limit is {a.max_request_images}", ErrorCode.TOO_MANY_IMAGES
+                f"{len(items)} {what} in one request; the limit is {a.max_request_images}", ErrorCode.TOO_MANY_IMAGES
             )
         # pooling none: the LLM-ready outputs (tokens, DeepStack, patch grid), cast on the replica to the
         # base64 element type (a bfloat16 answer crosses from the replica at half the bytes)
         dtype = body.embedding_dtype
         order = EmbedOrder(
-            inputs, body.pooling, dtype if body.pooling == "none" else None, body.dimensions, "input",
-            a.max_request_patches,
+            items.images, body.pooling, dtype if body.pooling == "none" else None, body.dimensions, "input",
+            a.max_request_patches, items.texts, items.kinds,
         )  # fmt: skip
         vectors = await self._lifecycle.encode(flight, order)
         answer_at = time.perf_counter()
-        args = (vectors, body.encoding_format, self._model_name, flight.patches, dtype)
+        # usage.prompt_tokens: the images' patches and the texts' real tokens (pads not counted)
+        args = (vectors, body.encoding_format, self._model_name, flight.patches + flight.text_tokens, dtype)
         if _answer_cost(vectors, body.encoding_format) > _ANSWER_INLINE:  # keep big encodes off the event loop
             content = await asyncio.get_running_loop().run_in_executor(self._pool, embeddings_body, *args)
         else:
@@ -180,7 +196,17 @@ class HttpRoutes:
         root = request.scope.get("root_path", "").rstrip("/")  # the app's route prefix
         return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=request.app.title)
 
-    def _model_object(self) -> dict:
+    async def _input_types(self) -> list[str] | None:
+        """What `input` items the served model takes: ["image"] or ["image", "text"]; None while no encoder
+        replica has answered `describe()` (within a few seconds: the listing does not wait for start-up)."""
+        try:
+            info = await asyncio.wait_for(asyncio.shield(self._client.info()), _MODELS_INFO_WAIT_S)
+        except Exception:  # noqa: BLE001 - not started, unavailable: the listing goes without the field
+            return None
+        return ["image", "text"] if info.get("text") else ["image"]
+
+    async def _model_object(self) -> dict:
+        input_types = await self._input_types()
         return {
             "id": self._model_name,
             "object": "model",
@@ -190,22 +216,25 @@ class HttpRoutes:
             "random_weights": self.args.random_weights,
             # extension: None, or "fp8" when the towers' block linears run in float8 (AppArgs.quantization)
             "quantization": self.args.quantization,
+            # extension: whether the model takes text (`input_type` "text", {"text": ...} items); absent while
+            # no encoder replica is up
+            **({"input_types": input_types} if input_types is not None else {}),
         }
 
-    def models(self, request: Request) -> Response:
+    async def models(self, request: Request) -> Response:
         refused = self._refused(request)
         if refused is not None:
             return refused
-        return JSONResponse({"object": "list", "data": [self._model_object()]})
+        return JSONResponse({"object": "list", "data": [await self._model_object()]})
 
-    def model(self, request: Request, model_id: str) -> Response:
+    async def model(self, request: Request, model_id: str) -> Response:
         """`GET /v1/models/{id}` (OpenAI's "retrieve model"; ids may hold `/`): the model, or 404."""
         refused = self._refused(request)
         if refused is not None:
             return refused
         if model_id != self._model_name:
             return error_response(self._unknown_model(model_id))
-        return JSONResponse(self._model_object())
+        return JSONResponse(await self._model_object())
 
     def _unknown_model(self, name: str) -> RequestError:
         return RequestError(

@@ -9,7 +9,11 @@ requests), released and recorded on every path (an answer, an error, a cancelled
 `Lifecycle.encode(flight, order)`: pooling resolved once (None: the service's vector pooling for this model,
 `describe()["vector_pooling"]`; else one this model supports, 400 `invalid_pooling`) and the output size
 checked, the images opened, admitted by patches and decoded (`decoding.IngressDecoder`), then the encoder call
-(`encoder_calls.EncoderClient`) with the request's deadline. `on_error(exc, flight, expired)` shapes a failure
+(`encoder_calls.EncoderClient`) with the request's deadline. An order's texts go the same way beside its
+images: text support checked (400 `text_not_supported`), their pooling resolved (`resolve_text_pooling`),
+admitted by tokens (each text holds the text tower's fixed length, as it does on the device), then their own
+encoder call (`EncoderClient.encode_texts`; tokenized on the replica), concurrently with the images'; the
+outputs come back in the order's item order. `on_error(exc, flight, expired)` shapes a failure
 as its way in answers one (an HTTP error answer, or the exception a handle caller gets) with its outcome.
 `refused_draining` answers for both while the service shuts down.
 """
@@ -19,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
+from deployments.aio import gather_or_cancel
 from deployments.config import AppArgs
 from deployments.errors import DISCONNECTED, OK, OVERLOADED, ErrorCode, RequestError
 from deployments.ingress.decoding import IngressDecoder
@@ -44,6 +49,45 @@ class EmbedOrder:
     dimensions: int | None = None  # the output size the caller expects (HTTP's `dimensions`), checked
     label: str = "images"  # how errors name an input: "input" (HTTP), "images" (handle)
     max_patches: int | None = None  # the request's patch limit (HTTP's; none for handle calls)
+    texts: list[str] = field(default_factory=list)  # checked: non-empty strings
+    kinds: list[str] | None = None  # per item "image" or "text", the answer's order; None: the images, then texts
+
+    def ordered(self, images: list, texts: list) -> list:
+        """The outputs of the images and of the texts, in the order's item order."""
+        if self.kinds is None:
+            return images + texts
+        by_kind = {"image": iter(images), "text": iter(texts)}
+        return [next(by_kind[k]) for k in self.kinds]
+
+    def image_label(self):
+        """How errors name image i: `label[i]`, or with kinds its position among all the items."""
+        if self.kinds is None or "text" not in self.kinds:
+            return self.label
+        positions = [i for i, k in enumerate(self.kinds) if k == "image"]
+        return lambda i: f"{self.label}[{positions[i]}]"
+
+
+def text_info(info: dict, model_name: str, what: str = "text") -> dict:
+    """The encoder's text facts (`describe()["text"]`), or 400 `text_not_supported` when the model has none."""
+    text = info.get("text")
+    if text is None:
+        raise RequestError(
+            f"the served model {model_name!r} takes no text ({what}): text needs an image-text checkpoint (CLIP, "
+            "SigLIP2) with its tokenizer files",
+            ErrorCode.TEXT_NOT_SUPPORTED, "input",
+        )  # fmt: skip
+    return text
+
+
+def resolve_text_pooling(pooling: str | None, text: dict) -> str:
+    """A text's pooling: None is "model" (the model's text embedding); else one of the text side's."""
+    pooling = pooling or "model"
+    if pooling not in text["output_dims"]:
+        raise RequestError(
+            f"pooling {pooling!r} applies to images only; text items take {' or '.join(text['output_dims'])}",
+            ErrorCode.INVALID_POOLING, "pooling",
+        )  # fmt: skip
+    return pooling
 
 
 def resolve_pooling(pooling: str | None, info: dict, model_name: str) -> str:
@@ -65,6 +109,7 @@ class Flight:
         self.started = time.perf_counter()
         self.ticket = Ticket()
         self.n_images, self.patches = n_images, 0
+        self.text_tokens = 0  # real tokens of the request's texts (pads not counted), as the replica counted them
         self.phases: dict[str, float] = {}  # seconds per phase, recorded when the request succeeds
         self.decode_at = self.started  # when the images started to open
         self._admission = admission
@@ -144,25 +189,52 @@ class Lifecycle:
                 released(held)
 
     async def encode(self, flight: Flight, order: EmbedOrder) -> list:
-        """Per image of `order` its output: pooling resolved, images decoded (patches admitted), the encoder
-        call with the request's deadline. Records the decode and encode phases and the request's patches."""
-        if not order.images:
+        """Per item of `order` its output: pooling resolved, images decoded (patches admitted), texts admitted by
+        tokens, the encoder calls with the request's deadline. Records the decode and encode phases, the
+        request's patches and its texts' tokens."""
+        if not order.images and not order.texts:
             return []
         info = await self._client.info()
-        pooling = resolve_pooling(order.pooling, info, self.args.model_name)
-        dim = info["output_dims"][pooling]
-        if order.dimensions is not None and order.dimensions != dim:
-            raise RequestError(
-                f"dimensions={order.dimensions} is not supported; this model outputs {dim} with pooling={pooling}",
-                ErrorCode.INVALID_DIMENSIONS, "dimensions",
-            )  # fmt: skip
+        text = text_info(info, self.args.model_name) if order.texts else None
         flight.decode_at = decode_at = time.perf_counter()
         reserve = partial(self._admission.reserve_patches, flight.ticket)
-        pp = info["preprocess_config"]
-        arrays = await self._decoder.prepare(order.images, pp, order.label, order.max_patches, reserve)
+        images = None
+        if text is not None:
+            text_pooling = resolve_text_pooling(order.pooling, text)
+            self._check_dimensions(order.dimensions, text["output_dims"][text_pooling], text_pooling)
+        if order.images:
+            pooling = resolve_pooling(order.pooling, info, self.args.model_name)
+            self._check_dimensions(order.dimensions, info["output_dims"][pooling], pooling)
+        if text is not None:
+            reserve(len(order.texts) * text["seq_len"])  # what they hold on the device: the tower's fixed length
+        if order.images:
+            pp = info["preprocess_config"]
+            images = await self._decoder.prepare(order.images, pp, order.image_label(), order.max_patches, reserve)
         encode_at = time.perf_counter()
         deadline = time.time() + self.args.request_timeout_s - flight.elapsed()
-        outputs, flight.patches = await self._client.encode(arrays, pooling, order.llm, deadline)
-        del arrays
+        calls = []
+        if images is not None:
+            calls.append(self._client.encode(images, pooling, order.llm, deadline))
+        if text is not None:
+            calls.append(self._client.encode_texts(order.texts, text_pooling, deadline))
+        results = await (calls[0] if len(calls) == 1 else gather_or_cancel(calls))
+        if len(calls) == 1:
+            results = [results]
+        del images
+        image_out, text_out = [], []
+        if order.images:
+            image_out, flight.patches = results[0]
+        if text is not None:
+            answered = results[-1]
+            text_out = [vec for vec, _ in answered]
+            flight.text_tokens = sum(n for _, n in answered)
         flight.phases.update(decode=encode_at - decode_at, encode=time.perf_counter() - encode_at)
-        return outputs
+        return order.ordered(image_out, text_out)
+
+    @staticmethod
+    def _check_dimensions(asked: int | None, dim: int, pooling: str) -> None:
+        if asked is not None and asked != dim:
+            raise RequestError(
+                f"dimensions={asked} is not supported; this model outputs {dim} with pooling={pooling}",
+                ErrorCode.INVALID_DIMENSIONS, "dimensions",
+            )  # fmt: skip

@@ -8,7 +8,7 @@ handlers live here, its routes on `deployments.ingress.deployment.VisionIngress`
 # No `from __future__ import annotations`: FastAPI reads the request model from route signatures.
 import logging
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
 import orjson
@@ -82,14 +82,46 @@ def error_response(exc: BaseException, retry_after_s: float | None = 1.0) -> JSO
 # ------------------------------------------------------------------------------------------ HTTP schema
 
 
-class EmbeddingRequest(BaseModel):
-    """OpenAI `POST /v1/embeddings` body, with images as data URLs or bare base64 in `input`. An unknown field is
-    refused, as OpenAI's API refuses one: ignored, a misspelt extension (`poolling`, `embeding_dtype`) would
-    give another answer than the one asked for, silently."""
+class TextInput(BaseModel):
+    """An `input` item that is a text: `{"text": "a red bicycle"}`."""
 
     model_config = ConfigDict(extra="forbid")
 
-    input: str | Annotated[list[str], Field(min_length=1)]
+    text: str = Field(
+        description="Non-empty. Tokenized as the model's tokenizer does: a text longer than the text tower's length "
+        "(CLIP 77 tokens, SigLIP 64) is cut to it."
+    )
+
+
+class ImageInput(BaseModel):
+    """An `input` item that is an image: `{"image": "data:image/png;base64,..."}` (or bare base64)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: str
+
+
+INPUT_TYPES = ("image", "text")
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI `POST /v1/embeddings` body, with images as data URLs or bare base64 in `input`, and texts. An unknown
+    field is refused, as OpenAI's API refuses one: ignored, a misspelt extension (`poolling`, `embeding_dtype`)
+    would give another answer than the one asked for, silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str | Annotated[list[str | TextInput | ImageInput], Field(min_length=1)] = Field(
+        description="One item or a non-empty list. A string is what `input_type` says (an image by default: a data "
+        'URL or base64); an object is {"text": ...} or {"image": ...}. Items may be mixed; the answer holds one '
+        "embedding per item, in order."
+    )
+    input_type: Literal[INPUT_TYPES] = Field(
+        "image",
+        description="Extension: what plain strings in `input` are, 'image' (the default) or 'text' (with the openai "
+        "client: extra_body={'input_type': 'text'}). Text needs a model with a text tower (CLIP, SigLIP2 with "
+        "their tokenizer files): else 400 text_not_supported.",
+    )
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     pooling: Literal[POOLINGS] | None = Field(
@@ -98,7 +130,8 @@ class EmbeddingRequest(BaseModel):
         "output tokens), 'none' (one vector per output token), '-l2' for L2-normalised vectors; default: the "
         "model's ('model' for CLIP / SigLIP, 'mean' for Qwen). The schema takes every family's names (another "
         "name is 422 invalid_schema); one the served model does not offer ('model' for Qwen) is 400 "
-        "invalid_pooling, naming the model's poolings.",
+        "invalid_pooling, naming the model's poolings. Text items take 'model' (the default: the model's text "
+        "embedding) and 'model-l2'; another pooling in a request with text is 400 invalid_pooling.",
     )
     dimensions: int | None = Field(None, description="Accepted only if equal to the model's output width.")
     embedding_dtype: Literal["float32", "float16", "bfloat16"] = Field(
@@ -117,11 +150,69 @@ class _Parsed(EmbeddingRequest):
     instead of becoming one validation error each, so a body of 200,000 unknown fields costs a parse, not an
     error list; `parse_embedding_request` refuses them afterwards, naming the first few. A list `input` stops
     at its first bad item (`fail_fast`): a million non-strings make one error, not a million (4 s of error
-    dicts for a 2 MB body)."""
+    dicts for a 2 MB body). Object items are read as dicts here and checked by `input_items`, which names
+    the item (`input[3]: ...`) and answers a text that is not a non-empty string with 400 invalid_text."""
 
     model_config = ConfigDict(extra="allow")
 
-    input: str | Annotated[list[str], Field(min_length=1, fail_fast=True)]
+    input: str | Annotated[list[str | dict], Field(min_length=1, fail_fast=True)]
+
+
+class Items(NamedTuple):
+    """A request's `input` split by kind: the images and the texts, each in order, and the kind of every item
+    (`kinds[i]`, "image" or "text": item i is the next one of its kind)."""
+
+    images: list[str]
+    texts: list[str]
+    kinds: list[str]
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def positions(self, kind: str) -> list[int]:
+        """Where the items of `kind` are in `input`."""
+        return [i for i, k in enumerate(self.kinds) if k == kind]
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def input_items(value: str | list, input_type: str = "image") -> Items:
+    """`input` (as parsed) -> `Items`. A plain string is an item of `input_type`; an object has exactly one key,
+    "text" or "image". RequestError: 422 invalid_schema for another object or a non-string image, 400
+    invalid_text for a text that is not a non-empty string; both name the item (`input[2]`)."""
+    values = [value] if isinstance(value, str) else value
+    images, texts, kinds = [], [], []
+    for i, item in enumerate(values):
+        where = "input" if isinstance(value, str) else f"input[{i}]"
+        if isinstance(item, str):
+            kind, payload = input_type, item
+        else:
+            if len(item) != 1 or next(iter(item)) not in INPUT_TYPES:
+                keys = ", ".join(shown(k, 30) for k in list(item)[:5]) or "none"
+                raise RequestError(
+                    f'{where} must be a string or an object with one key, "text" or "image" (its keys: {keys})',
+                    ErrorCode.INVALID_SCHEMA, where,
+                )  # fmt: skip
+            ((kind, payload),) = item.items()
+            if kind == "image" and not isinstance(payload, str):
+                raise RequestError(
+                    f"{where}.image must be a string (a data URL or base64 image), not {_json_type(payload)}",
+                    ErrorCode.INVALID_SCHEMA, where,
+                )  # fmt: skip
+        if kind == "text":
+            if not isinstance(payload, str):
+                raise RequestError(f"{where}: a text must be a string, not {_json_type(payload)}",
+                                   ErrorCode.INVALID_TEXT, where)  # fmt: skip
+            if not payload:
+                raise RequestError(f"{where}: the text is an empty string", ErrorCode.INVALID_TEXT, where)
+            texts.append(payload)
+        else:
+            images.append(payload)
+        kinds.append(kind)
+    return Items(images, texts, kinds)
 
 
 def unknown_fields_error(names: list[str]) -> RequestError:
@@ -133,7 +224,10 @@ def unknown_fields_error(names: list[str]) -> RequestError:
     )
 
 
-_INPUT_SHAPE = "an image (a data URL or base64 string) or a non-empty list of them"
+_INPUT_SHAPE = (
+    'an image (a data URL or base64 string), a text (with input_type "text"), or a non-empty list of them and of '
+    '{"text": ...} / {"image": ...} objects'
+)
 
 
 def input_sentence(errors: list[dict]) -> str | None:
@@ -145,13 +239,13 @@ def input_sentence(errors: list[dict]) -> str | None:
         return None
     if any(e.get("type") == "missing" for e in about):
         return f"input is required: {_INPUT_SHAPE}"
-    listed = [e for e in about if tuple(e.get("loc", ()))[1:2] == ("list[str]",)]
+    listed = [e for e in about if str(tuple(e.get("loc", ()))[1:2]).startswith("('list[")]
     if any(e.get("type") == "too_short" for e in listed):
-        return "input is an empty list; send at least one image"
-    positions = [e["loc"][2] for e in listed if len(e["loc"]) > 2 and isinstance(e["loc"][2], int)]
+        return "input is an empty list; send at least one item"
+    positions = sorted({e["loc"][2] for e in listed if len(e["loc"]) > 2 and isinstance(e["loc"][2], int)})
     if positions:
         shown = ", ".join(f"input[{i}]" for i in positions[:5]) + (", ..." if len(positions) > 5 else "")
-        return f"{shown} must be a string (a data URL or base64 image)"
+        return f'{shown} must be a string or a {{"text": ...}} / {{"image": ...}} object'
     return f"input must be {_INPUT_SHAPE}"
 
 

@@ -8,6 +8,9 @@ then encodes batches of resized uint8 images.
   on the event loop and hand the request to the `replica_pipeline.DevicePipeline` (batching, device thread,
   results thread). `num_patches` and `num_images` are keyword arguments on purpose: request routers read them
   from `pending_request.kwargs` without deserialising the pixels (a bucket caps images as well as patches).
+* `encode_texts(texts, pooling=..., num_tokens=n, num_texts=k)` (models with a text tower: CLIP, SigLIP2 with
+  their tokenizer files): the same pipeline, in text batches of their own; per text `(vector, real tokens)`.
+  `num_tokens` (texts x the tower's fixed length) and `num_texts` are what routers read.
 * `record_routing_stats()` / `record_replica_metadata()`: `routing_stats.BucketRoutingStats`.
 * `check_health()`: `replica_health.HealthProbe`; `inject_fault()` (tests only): `replica_health.FaultInjector`.
 * `describe()` (what the ingress needs) and `stats()`.
@@ -26,12 +29,14 @@ import numpy as np
 from ray import serve
 
 from deployments.config import AppArgs, replica_plan, resolve_device, resolve_num_gpus
+from deployments.errors import ErrorCode, RequestError
 from deployments.llm_outputs import WireLLM, check_dtype
 from deployments.metrics import ReplicaMetrics
 from deployments.routing.stats import BucketRoutingStats
-from deployments.wire import EncodeRequest
+from deployments.wire import EncodeRequest, TextRequest
 from encoder.errors import EncoderError, InvalidArgumentError
 from encoder.poolings import POOLINGS, check_pooling
+from encoder.tokenization import check_texts
 
 # The torch side (the model, the graphs, the device pipeline) is imported in the constructor and the request
 # methods, which run in the replica's own process: a driver that only builds the application (`serve run`,
@@ -55,14 +60,30 @@ def startup_summary(vision, plan, stats: dict, seconds: float, pipeline: DeviceP
     info = vision.model_info()
     weights = "RANDOM weights (preset)" if info["random_weights"] else f"weights from {info['kind']} {info.get('path')}"
     attention = ", ".join(f"{kind}={backend}" for kind, backend in stats["attention"].items())
+    if stats.get("attention_hint"):  # once per replica start, never per request
+        attention += f" ({stats['attention_hint']})"
     buckets = ",".join(str(k.budget) for k in plan.table.keys)
+    text = (
+        f"text {pipeline.text_seq_len} tokens, up to {pipeline.max_batch_texts} texts a batch"
+        if pipeline.text_seq_len
+        else "images only (no text tower with its tokenizer)"
+    )
     return (
         f"encoder ready: {vision.name}, {weights}, {vision.device} {precision(vision)}, "
         f"attention {attention}; buckets {buckets} ({stats['captures']} graphs captured in "
         f"{stats['capture_seconds']:.1f}s, {stats['capture_bytes'] / 2**20:.0f} MiB); batches up to "
         f"{plan.max_batch_patches} patches / {plan.max_batch_images} images ({pipeline.pipeline_depth} in flight); "
-        f"started in {seconds:.1f}s"
+        f"{text}; started in {seconds:.1f}s"
     )
+
+
+def text_output_dims(vision) -> dict[str, int]:
+    """{text pooling: its vector size} of a model that takes text, else {}."""
+    if not vision.supports_text:
+        return {}
+    from encoder.text_encoder import TEXT_POOLINGS
+
+    return dict.fromkeys(TEXT_POOLINGS, vision.text.config.out_dim)
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.5}, health_check_period_s=10)
@@ -88,7 +109,7 @@ class EncoderReplica:
         warnings.filterwarnings("ignore", category=encoder.RandomWeightsWarning)
         vision = encoder.load(
             a.model, device=self.device_name, dtype=a.dtype, attention=a.attention, seed=a.seed,
-            quantization=a.quantization, text=False,  # the service embeds images only: no text weights on the GPU
+            quantization=a.quantization,  # and the text tower, where the model has one with its tokenizer
         )  # fmt: skip
         self.pp = vision.preprocess_config
         plan = replica_plan(a, vision, self.device_name)
@@ -115,9 +136,11 @@ class EncoderReplica:
         # which is the library's "none" for the Qwen towers) and the poolings this model supports, with their sizes
         self.vector_pooling = vector_pooling(vision.config)
         self.output_dims = {p: vision.output_dim(p) for p in POOLINGS if self._supports(p)}
+        self.text_output_dims = text_output_dims(vision)
         stats = self.engine.stats()
         self.metrics.captured.set(stats["captures"])
         self.ready = True
+        stats["attention_hint"] = self.engine.attention_hint()
         logger.info("%s", startup_summary(vision, plan, stats, time.perf_counter() - start, self.pipeline))
 
     # -- the request methods -----------------------------------------------------------------------------
@@ -166,6 +189,41 @@ class EncoderReplica:
         check_dtype(dtype)
         work = EncodeRequest(*check_pixels(pixels, self.pp), "none", dtype, deadline=deadline)
         return await self._encode(work, num_patches, num_images, entered)
+
+    async def encode_texts(
+        self,
+        texts,
+        *,
+        pooling: str | None = None,
+        num_tokens: int | None = None,
+        num_texts: int | None = None,
+        deadline: float | None = None,
+    ) -> list[tuple[np.ndarray, int]]:
+        """Embed texts (a list of non-empty strings): per text `(float32 vector [out_dim], real tokens)`, the
+        tokens being the text's own (its attention mask: special tokens counted, pads not). `pooling`: "model"
+        (None) or "model-l2". Texts are tokenized here, in the device thread, as the model's tokenizer does
+        (`replica.pipeline`): an over-long text is cut to the tower's length. `num_tokens` (texts x that
+        length) and `num_texts` are what routers read; when given they must match. `deadline` as
+        `encode_pixels`. 400 `text_not_supported` (a `RequestError`) when the model has no text tower."""
+        from encoder.text_encoder import check_text_pooling
+
+        entered = time.perf_counter()
+        seq_len = self.pipeline.text_seq_len
+        if not seq_len:
+            raise RequestError(
+                f"model {self.engine.encoder.name!r} takes no text: text needs an image-text checkpoint (CLIP, "
+                "SigLIP2) with its tokenizer files",
+                ErrorCode.TEXT_NOT_SUPPORTED, "input",
+            )  # fmt: skip
+        texts = check_texts(texts)
+        work = TextRequest(texts, [seq_len] * len(texts), check_text_pooling(pooling), deadline)
+        if num_texts is not None and int(num_texts) != len(texts):
+            raise InvalidArgumentError(f"num_texts={num_texts} but {len(texts)} texts were sent")
+        if num_tokens is not None and int(num_tokens) != work.patches:
+            raise InvalidArgumentError(f"num_tokens={num_tokens} but the texts take {work.patches} ({seq_len} each)")
+        if not texts:
+            return []
+        return await self.pipeline.submit(work, entered)
 
     async def _encode(
         self, work: EncodeRequest, num_patches: int | None, num_images: int | None, entered: float
@@ -249,6 +307,14 @@ class EncoderReplica:
             "attention": self.engine.stats()["attention"],  # per layer kind: what `auto` picked per graph shape
             "random_weights": vision.random_weights,
             "replica_id": serve.get_replica_context().replica_id.unique_id,
+            # the text side (None: images only): its fixed length, batch limit and poolings with their sizes
+            "text": None
+            if not self.pipeline.text_seq_len
+            else {
+                "seq_len": self.pipeline.text_seq_len,
+                "max_batch_texts": self.pipeline.max_batch_texts,
+                "output_dims": dict(self.text_output_dims),
+            },
         }
 
     def stats(self) -> dict:

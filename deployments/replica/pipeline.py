@@ -10,6 +10,14 @@ queues one `GraphEncoder.encode_async` per output form in the batch (`wire.group
 results thread waits for that device work and splits the outputs per request. With `pipeline_depth` 2 the
 device thread prepares batch N+1 while batch N replays, so the GPU does not idle through the host's part of
 every batch.
+
+Texts (`wire.TextRequest`, models with a text tower) queue in a batcher of their own, never in an image batch:
+their size is tokens (every text runs at the tower's fixed length, `text_seq_len`), at most `max_batch_texts` a
+batch. They are tokenized here, in the device thread, with the model's own tokenizer: the replica holds it with
+the text weights (a Hub checkpoint's tokenizer files are on the replica's node, not the ingress's), and the
+tokenizer (Rust, `tokenizers`) costs microseconds per text beside the tower. The ingress therefore sizes a text
+by the tower's length, not its real tokens; the real count (the attention mask) comes back with each vector for
+`usage.prompt_tokens`.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from deployments.batching import ContinuousBatcher
 from deployments.llm_outputs import wire_outputs, wire_torch_dtype
 from deployments.metrics import RecentTimings, ReplicaMetrics
 from deployments.replica.health import sticky_device_error
-from deployments.wire import EncodeRequest, group
+from deployments.wire import EncodeRequest, TextRequest, group
 from encoder.errors import EncoderError, InvalidArgumentError, InvalidImageError
 from encoder.patchify import stack_patchify
 from encoder.preprocessing.config import ProcessorConfig
@@ -40,6 +48,12 @@ from workspace.tables import BucketPlan
 # after its deadline (the ingress has cancelled it by then anyway; this is the backstop for a lost cancel
 # or a caller that died).
 _DEADLINE_GRACE_S = 1.0
+# Texts in one text batch (the text tower runs [texts, seq_len]); a request of more runs alone, the engine
+# taking it whole.
+MAX_BATCH_TEXTS = 256
+
+
+_TEXT = "text"  # the queue label of text requests (in no image bucket)
 
 
 def engine_delta(before: dict, after: dict) -> dict:
@@ -118,6 +132,10 @@ class DevicePipeline:
     ):
         self.engine, self.pp, self.device = engine, engine.encoder.preprocess_config, engine.device
         self.max_batch_patches, self.max_batch_images = plan.max_batch_patches, plan.max_batch_images
+        # the text side: its fixed length (0: the model takes no text) and batch limit
+        text = engine.encoder.text if engine.supports_text else None
+        self.text_seq_len = text.config.seq_len if text is not None else 0
+        self.max_batch_texts = MAX_BATCH_TEXTS if text is not None else 0
         self.pipeline_depth = pipeline_depth
         self.metrics = metrics
         self.fatal: BaseException | None = None
@@ -136,6 +154,7 @@ class DevicePipeline:
         # Trim batches to the prefix with the most patches per unit of replay cost (graphs only: on the CPU
         # the engine runs images one by one, so a longer batch costs nothing extra).
         self._fixed_cost = fixed_cost
+        self._submit_text = ContinuousBatcher(self._run_batch, self._text_fits, pipeline_depth, expired=_expired)
         if batcher == "continuous":
             keep = self._keep if fixed_cost else None
             self._submit = ContinuousBatcher(self._run_batch, self._fits, pipeline_depth, keep=keep, expired=_expired)
@@ -159,6 +178,9 @@ class DevicePipeline:
     def _fits(self, patches: int, images: int) -> bool:
         return patches <= self.max_batch_patches and images <= self.max_batch_images
 
+    def _text_fits(self, tokens: int, texts: int) -> bool:
+        return texts <= self.max_batch_texts
+
     def _keep(self, works: list[EncodeRequest]) -> int:
         return best_prefix(works, self.engine.table, self._fixed_cost)
 
@@ -167,19 +189,21 @@ class DevicePipeline:
         return str(key.budget) if key is not None else "over"
 
     # -- requests -------------------------------------------------------------------------------------------
-    async def submit(self, work: EncodeRequest, entered: float) -> list:
-        """The request's outputs, per image (`entered`: when the request reached the replica)."""
+    async def submit(self, work: EncodeRequest | TextRequest, entered: float) -> list:
+        """The request's outputs, per image or text (`entered`: when the request reached the replica)."""
         total, images = work.patches, len(work.counts)
-        label = self._bucket_label(total, images)
+        text = isinstance(work, TextRequest)
+        label = _TEXT if text else self._bucket_label(total, images)
         self._queued[label] += 1
         self._queued_patches += total
         self.metrics.queue_depth.set(sum(self._queued.values()))
         try:
             if _expired(work):
                 raise _expired_error(work)
-            if not self._fits(total, images):  # bigger than one batch: alone (the engine splits it)
+            fits, submit = (self._text_fits, self._submit_text) if text else (self._fits, self._submit)
+            if not fits(total, images):  # bigger than one batch: alone (the engine splits it)
                 return (await self._run_batch([work]))[0]
-            out = await self._submit(work)
+            out = await submit(work)
             self.timings.add(request=time.perf_counter() - entered)
             return out
         finally:
@@ -191,15 +215,21 @@ class DevicePipeline:
 
     def queued_by_bucket(self) -> dict[int, int]:
         """{budget: requests inside this replica (queued or running) that map to that bucket alone};
-        requests above the largest bucket count under the largest budget."""
+        requests above the largest bucket count under the largest budget; text requests are in no bucket."""
         largest = self.engine.table.largest.budget
         by_bucket: Counter[int] = Counter()
         for label, n in self._queued.items():
-            by_bucket[largest if label == "over" else int(label)] += n
+            if label != _TEXT:
+                by_bucket[largest if label == "over" else int(label)] += n
         return dict(by_bucket)
 
     def queue_totals(self) -> dict[str, int]:
-        return {"queued_requests": sum(self._queued.values()), "queued_patches": self._queued_patches}
+        """Requests inside this replica (images and texts), their patches (texts: their tokens), the text requests."""
+        return {
+            "queued_requests": sum(self._queued.values()),
+            "queued_patches": self._queued_patches,
+            "queued_text_requests": self._queued.get(_TEXT, 0),
+        }
 
     async def on_device_thread(self, fn: Callable, *args):
         """`fn(*args)` in the device thread, queued behind the batches already there."""
@@ -263,6 +293,9 @@ class DevicePipeline:
         groups = group(works)  # one engine call per output form (pooling or LLM wire dtype), usually one
         pending = []
         for g in groups:
+            if isinstance(g.merged, TextRequest):
+                pending.append((g, self._launch_texts(g.merged)))
+                continue
             batch = stack_patchify(g.merged.arrays, self.pp, self.device)
             if g.merged.llm is None:
                 p = self.engine.encode_async(batch, g.merged.pooling)
@@ -273,7 +306,10 @@ class DevicePipeline:
         def finish() -> list[list]:  # results thread
             out: list[list | None] = [None] * len(works)
             for g, p in pending:
-                if g.merged.llm is None:
+                if isinstance(g.merged, TextRequest):
+                    vectors, tokens = p
+                    outputs = [(v.numpy(), n) for v, n in zip(vectors, tokens, strict=True)]
+                elif g.merged.llm is None:
                     outputs = [v.numpy() for v in p.result()]
                 else:  # numpy views of the host buffer, already in the wire dtype (no copy)
                     outputs = wire_outputs(p.result(), g.merged.llm)
@@ -281,6 +317,13 @@ class DevicePipeline:
             return out
 
         return finish, time.perf_counter() - started, engine_delta(before, self.engine.stats())
+
+    def _launch_texts(self, work: TextRequest) -> tuple[list[torch.Tensor], list[int]]:
+        """Device thread: tokenize (the model's tokenizer: padded and cut to the tower's length) and run the text
+        tower; per text its vector and its real tokens (the attention mask's ones)."""
+        ids, mask = self.engine.encoder.text_side().tokenize(work.texts)
+        tokens = mask.sum(1).tolist()
+        return self.engine.encode_text_ids(ids, mask, work.pooling), tokens
 
     def shutdown(self) -> None:
         """Let the batch running in the device thread finish rather than tear the engine down under it."""

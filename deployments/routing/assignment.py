@@ -21,7 +21,8 @@ Ownership moving is cheap here: every replica captured every bucket, so an owner
 preference; no state moves. Hence the default favours size separation and exact balance over
 minimal movement. Both schemes are deterministic for a given replica set.
 
-`request_size` reads a request's size (patches, images) from its keyword arguments.
+`request_size` reads an image request's size (patches, images) from its keyword arguments, `text_size` a text
+request's (tokens, texts).
 """
 
 from __future__ import annotations
@@ -131,3 +132,15 @@ def assign_buckets(
                 chosen.append(rid)
         owners[key] = tuple(sorted(chosen))
     return {key: owners[key] for key in keys}
+
+
+def text_size(
+    pending_request: PendingRequest | None, num_tokens_kwarg: str = "num_tokens", num_texts_kwarg: str = "num_texts"
+) -> tuple[int, int] | None:
+    """(tokens, texts) of a text request (`wire.TextRequest.call`: tokens are texts x the text tower's length), or
+    None when it carries no usable token count (an image request, another method)."""
+    if pending_request is None or not isinstance(pending_request.kwargs, Mapping):
+        return None
+    tokens = _count(pending_request.kwargs.get(num_tokens_kwarg))
+    texts = _count(pending_request.kwargs.get(num_texts_kwarg, 1))
+    return (tokens, texts) if tokens is not None and texts is not None else None

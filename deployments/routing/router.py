@@ -29,6 +29,11 @@ patches, or a list of per-image patch counts) and optionally `kwargs["num_images
 the list's length). A request without a usable `num_patches` (another method, a handle call without
 the kwarg) gets Ray's default behaviour: power of two random choices, same-node replicas first.
 
+Text requests (`encode_texts(texts, pooling=..., num_tokens=n, num_texts=k)`, `routing.assignment.text_size`)
+belong to no image bucket: every replica runs texts in batches of their own, at the text tower's fixed length,
+so a text goes to the replica with the shortest queue among those not saturated (then the saturated ones, then
+those not ready); its tokens count in this router's in-flight work on that replica as patches do.
+
 What a replica publishes and how it is read: `deployments.routing.stats`. Which replicas own which
 buckets: `deployments.routing.assignment` (`assign_buckets`, a pure function).
 
@@ -93,7 +98,7 @@ from ray.serve.request_router import (
 )
 
 from deployments.ray_compat import SelectionHook, check_ray, queue_len_cache_enabled
-from deployments.routing.assignment import assign_buckets, request_size
+from deployments.routing.assignment import assign_buckets, request_size, text_size
 from deployments.routing.progress import ReplicaProgress, progress_for
 from deployments.routing.stats import BucketRoutingStats, published
 from workspace.buckets import BucketError, BucketKey, BucketTable
@@ -131,6 +136,8 @@ class BucketRouterConfig(BaseModel):
     doubled every failed round); 0: spill at the first missed probe."""
     num_patches_kwarg: str = "num_patches"
     num_images_kwarg: str = "num_images"
+    num_tokens_kwarg: str = "num_tokens"
+    num_texts_kwarg: str = "num_texts"
 
     def default_table(self) -> BucketTable:
         return router_fallback_table() if self.buckets is None else BucketTable.parse(self.buckets)
@@ -296,7 +303,7 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        size = self._size(pending_request)
+        size = self._size(pending_request) or self._text_size(pending_request)
         if size is None:
             return
         key = (replica_id, next(self._routed_seq))
@@ -324,6 +331,9 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
 
     def _size(self, pending_request: PendingRequest | None) -> tuple[int, int] | None:
         return request_size(pending_request, self._config.num_patches_kwarg, self._config.num_images_kwarg)
+
+    def _text_size(self, pending_request: PendingRequest | None) -> tuple[int, int] | None:
+        return text_size(pending_request, self._config.num_tokens_kwarg, self._config.num_texts_kwarg)
 
     def plan(self, candidate_replicas: Sequence[RunningReplica]) -> RoutingPlan:
         """The (cached) table, owners and readiness for this replica set."""
@@ -400,6 +410,8 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
             return []
         size = self._size(pending_request)
         if size is None:
+            if self._text_size(pending_request) is not None:
+                return self._choose_text(candidate_replicas, pending_request)
             return self._choose_default(candidate_replicas, pending_request)
         plan = self.plan(candidate_replicas)
         owners = plan.owners[self.bucket_for(plan, size)]
@@ -440,6 +452,24 @@ class BucketRouter(SelectionHook, LocalityMixin, RequestRouter):
             context.should_backoff = True
         groups = (owners_light, others_idle, owners_ok, others_ok, owners_busy, others_busy, not_ready)
         return [group for group in groups if group]
+
+    def _choose_text(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        """A text request: no bucket owners; the replicas not saturated first (Ray takes the shortest queue of the
+        first group with room), then the saturated ones, then those not ready."""
+        plan = self.plan(candidate_replicas)
+        ok: list[RunningReplica] = []
+        busy: list[RunningReplica] = []
+        not_ready: list[RunningReplica] = []
+        for replica in candidate_replicas:
+            if replica.replica_id in plan.not_ready:
+                not_ready.append(replica)
+            else:
+                (busy if self.is_saturated(replica, plan) else ok).append(replica)
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        return [group for group in (ok, busy, not_ready) if group]
 
     def _choose_default(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None

@@ -7,7 +7,13 @@ backends that can run here, so a bad choice fails at load, never at graph captur
 
 from __future__ import annotations
 
-from encoder.attention.auto import AutoAttention, describe_backend, graph_token_cap, resolve_attention
+from encoder.attention.auto import (
+    AutoAttention,
+    describe_backend,
+    graph_token_cap,
+    missing_faster_backend,
+    resolve_attention,
+)
 from encoder.attention.base import AttentionBackend
 from encoder.attention.registry import DEFAULT_BACKEND, available_backends, backend_names, get_backend, register
 
@@ -18,6 +24,7 @@ __all__ = [
     "available_backends",
     "backend_names",
     "describe_backend",
+    "missing_faster_backend",
     "get_backend",
     "graph_token_cap",
     "register",

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import torch
 
 from encoder.attention.base import AttentionBackend
-from encoder.attention.registry import available_backends, get_backend
+from encoder.attention.registry import available_backends, backend_class, get_backend
 from encoder.errors import BackendUnavailableError, ConfigError
 
 SHORT_SEGMENT = 256  # tokens: Triton ties or wins up to 256, FA4 wins from 512 on (16 x 512: 0.081 vs 0.125 ms)
@@ -86,6 +86,28 @@ def graph_token_cap(backends: Mapping[str, AttentionBackend]) -> int | None:
 
 def describe_backend(backend: AttentionBackend) -> str:
     return backend.describe() if isinstance(backend, AutoAttention) else backend.name
+
+
+# where `auto` would rank a backend that is not installed first, how to install it
+INSTALL_HINTS = {"fa4": "pip install -e '.[gpu]' (FlashAttention-4)"}
+
+
+def missing_faster_backend(backends: Mapping[str, AttentionBackend], device: torch.device) -> str | None:
+    """For the start-up line: a backend `auto` ranks first for long segments (`LONG_FIRST`) that would run on this
+    GPU but is not installed, with how to install it ("fa4: pip install ..."); None when the best one is here,
+    on the CPU, or where no layer kind is `auto`."""
+    autos = [b for b in backends.values() if isinstance(b, AutoAttention)]
+    if device.type != "cuda" or not autos:
+        return None
+    faster = LONG_FIRST[: LONG_FIRST.index("torch_varlen")]  # the FlashAttention builds ranked above torch's
+    if any(name in b.candidates for b in autos for name in faster):
+        return None
+    for name in faster:
+        hint = INSTALL_HINTS.get(name)
+        need = getattr(backend_class(name), "_min_capability", None)  # FA4's module imports without its package
+        if hint is not None and need is not None and torch.cuda.get_device_capability(device) >= need:
+            return f"{name} would be faster here: {hint}"
+    return None
 
 
 def _kind_choice(kind: str, name) -> str:

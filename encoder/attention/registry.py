@@ -35,6 +35,15 @@ def _load_class(name: str) -> type[AttentionBackend] | str:
     return reason if reason else cls
 
 
+def backend_class(name: str) -> type[AttentionBackend] | None:
+    """The backend's class whether or not its package is installed here (None: its module does not import)."""
+    module_name, _, cls_name = _REGISTRY[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError):
+        return None
+
+
 def backend_names() -> list[str]:
     return list(_REGISTRY)
 

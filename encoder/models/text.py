@@ -2,7 +2,9 @@
 
 Every text is `seq_len` tokens (the tokenizer pads and truncates to the model's
 `max_position_embeddings`: CLIP 77, SigLIP 64), so a batch is one [B, S] tensor of token ids and the
-forward has fixed shapes and no host synchronisation: a graph runner can capture it per [B, S].
+forward has fixed shapes and no host synchronisation: a graph runner can capture it per [B, S]
+(`workspace.text_runner`, through `encoder.models.tower.TextGraphTower`). CLIP's outputs depend only on the
+columns up to each text's EOS (`output_spans`), so its graphs may run fewer columns; SigLIP's need all of them.
 
 Parameter names mirror the Hugging Face text models (`embeddings.token_embedding`,
 `encoder.layers.N.self_attn.q_proj`, `final_layer_norm`; CLIP's `text_projection`, SigLIP's `head`), so
@@ -108,9 +110,21 @@ class TextTower(nn.Module):
         self.encoder = TextEncoderLayers(cfg)
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
+    # `encoder.models.tower.TextGraphTower`: a text's output depends only on its first `output_spans` columns
+    # (False: on all of them, pads included)
+    prefix_exact = False
+
     @property
     def seq_len(self) -> int:
         return self.cfg.seq_len
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg.out_dim
+
+    def output_spans(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B] int64: how many leading columns of each text its output depends on (here: all of them)."""
+        return torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.int64, device=input_ids.device)
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, S] token ids -> [B, S, D] float32, after `final_layer_norm` (HF's `last_hidden_state`).
@@ -130,6 +144,9 @@ class ClipTextTower(TextTower):
     """`CLIPModel.get_text_features`: the EOS token's state, projected."""
 
     checkpoint_top_level = ("text_projection.weight",)
+    # causal attention pooled at the EOS: no column after it reaches the output (pads on the right, or text
+    # after an EOS written in the text), so the columns past the batch's last EOS may be dropped
+    prefix_exact = True
 
     def __init__(self, cfg: ClipTextConfig):
         super().__init__(cfg)
@@ -141,6 +158,11 @@ class ClipTextTower(TextTower):
         if self.cfg.eos_token_id == 2:  # legacy configs: the highest id (the EOS of OpenAI's vocabulary)
             return ids.argmax(-1)
         return (ids == self.cfg.eos_token_id).int().argmax(-1)  # the first EOS (pads may equal it)
+
+    def output_spans(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B] int64: the pooled position + 1. On the columns before it the pooled position is unchanged: the
+        first EOS, or (legacy) the first of the highest id, lies within them."""
+        return self.eos_positions(input_ids).to(torch.int64) + 1
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # input_ids: [B, S] -> [B, projection_dim] float32; causal: pads after the EOS never reach it, so

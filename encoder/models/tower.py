@@ -22,6 +22,9 @@ interpolation weights) is computed by the body from those two, inside the graph.
 
 `FixedResolutionTower` answers the protocol for every tower whose images are all one size (CLIP, SigLIP,
 DINOv2, DINOv3) from its config; `FullAttentionTower` is what those and SigLIP2 share about their blocks.
+
+Text towers answer `TextGraphTower` for `workspace.text_runner`: their static buffers are token ids and mask
+[texts, columns], and they say which leading columns each text's output depends on.
 """
 
 from __future__ import annotations
@@ -79,6 +82,27 @@ class GraphTower(Protocol):
     def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor: ...
 
     def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput: ...
+
+
+@runtime_checkable
+class TextGraphTower(Protocol):
+    """What `workspace.text_runner.TextGraphRunner` needs from a text tower (CLIP, SigLIP, the next one).
+
+    A batch is [B, seq_len] token ids and their attention mask (int64, the tokenizer's fixed length), and the
+    forward is one fixed sequence of tensor ops with no host reads: captured per (batch, columns) on CUDA.
+    `prefix_exact`: each text's output depends only on its first `output_spans` columns, so the columns after
+    the batch's longest span can be dropped and a graph of fewer columns gives the same output (a causal tower
+    pooled at its EOS, with right padding); False: every column counts (pads attended to, left padding, a
+    pooled last position), and the graphs keep all `seq_len` columns.
+    """
+
+    seq_len: int
+    out_dim: int
+    prefix_exact: bool
+
+    def output_spans(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
 
 
 def frames_dummy(budget: int, max_images: int, bounds: Bounds, merge: int) -> torch.Tensor:

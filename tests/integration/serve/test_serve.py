@@ -185,11 +185,11 @@ def test_http_unknown_fields_are_refused_by_name(client):
     good = data_url(png(56, 56))
     for field, value in (("poolling", "none"), ("embeding_dtype", "bfloat16")):
         error = assert_error(client.post("/v1/embeddings", json={"input": [good], field: value}), 422, "invalid_schema")
-        assert error["message"].startswith(f"unknown field '{field}'; the fields are input, model,"), error
+        assert error["message"].startswith(f"unknown field '{field}'; the fields are input, input_type, model,"), error
         assert error["param"] == field
     # every field the API has is accepted
-    body = {"input": [good], "model": "tiny", "encoding_format": "float", "pooling": "mean", "dimensions": None,
-            "embedding_dtype": "float32", "user": "u1"}  # fmt: skip
+    body = {"input": [good], "input_type": "image", "model": "tiny", "encoding_format": "float", "pooling": "mean",
+            "dimensions": None, "embedding_dtype": "float32", "user": "u1"}  # fmt: skip
     assert client.post("/v1/embeddings", json=body).status_code == 200
 
 

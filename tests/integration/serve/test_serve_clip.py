@@ -35,3 +35,17 @@ def test_clip_http_and_handle_match_encoder(app):
     vectors = app.handle.embed.remote(images).result()
     for g, e in zip(vectors, expected, strict=True):
         np.testing.assert_allclose(g, e.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_text_on_a_model_without_a_tokenizer_is_text_not_supported(app):
+    """A preset has no tokenizer: it serves images only, says so in /v1/models, and text is a 400."""
+    with httpx.Client(base_url=app.base_url, timeout=120) as client:
+        (model,) = client.get("/v1/models").json()["data"]
+        assert model["input_types"] == ["image"]
+        for body in ({"input": [{"text": "a cat"}]}, {"input": "a cat", "input_type": "text"}):
+            r = client.post("/v1/embeddings", json=body)
+            assert r.status_code == 400, r.text
+            assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("text_not_supported", "input")
+    with pytest.raises(Exception, match="takes no text") as info:
+        app.handle.embed_text.remote(["a cat"]).result()
+    assert getattr(info.value, "code", None) == "text_not_supported"

@@ -4,6 +4,7 @@ arithmetic, the conversion, `encoder.load`'s refusals) is tests/unit/encoder/mod
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import orjson
@@ -53,7 +54,7 @@ def test_v1_models_says_the_quantization():
     request = Request({"type": "http", "method": "GET", "path": "/v1/models", "headers": []})
     for quantization in (None, "fp8"):
         args = {"device": "cuda", "quantization": quantization} if quantization else {}
-        (listed,) = orjson.loads(routes(**args).models(request).body)["data"]
+        (listed,) = orjson.loads(asyncio.run(routes(**args).models(request)).body)["data"]
         assert listed["quantization"] == quantization
 
 

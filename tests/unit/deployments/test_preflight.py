@@ -237,14 +237,21 @@ def test_random_weights_are_marked(checkpoint):
     assert not AppArgs(model=str(checkpoint)).random_weights and not AppArgs(model="Qwen/X").random_weights
 
 
+SHAPE = (
+    'an image (a data URL or base64 string), a text (with input_type "text"), or a non-empty list of them and of '
+    '{"text": ...} / {"image": ...} objects'
+)
+ITEM = 'a string or a {"text": ...} / {"image": ...} object'
+
+
 @pytest.mark.parametrize(
     "body, sentence",
     [
-        (b'{"input": []}', "input is an empty list; send at least one image"),
-        (b"{}", "input is required: an image (a data URL or base64 string) or a non-empty list of them"),
-        (b'{"input": 5}', "input must be an image (a data URL or base64 string) or a non-empty list of them"),
-        (b'{"input": null}', "input must be an image (a data URL or base64 string) or a non-empty list of them"),
-        (b'{"input": ["a", 3, ["b"]]}', "input[1] must be a string (a data URL or base64 image)"),  # the first only
+        (b'{"input": []}', "input is an empty list; send at least one item"),
+        (b"{}", f"input is required: {SHAPE}"),
+        (b'{"input": 5}', f"input must be {SHAPE}"),
+        (b'{"input": null}', f"input must be {SHAPE}"),
+        (b'{"input": ["a", 3, ["b"]]}', f"input[1] must be {ITEM}"),  # the first only
     ],
 )
 def test_a_bad_input_is_one_sentence_not_pydantic_union_noise(body, sentence):

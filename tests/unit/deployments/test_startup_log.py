@@ -17,9 +17,17 @@ def test_startup_summary_names_model_weights_device_attention_buckets_and_captur
         vision = encoder.load("tiny", device="cpu")
     plan = replica_plan(AppArgs(), vision, "cpu")
     stats = GraphEncoder(vision, plan.table).stats()
-    line = startup_summary(vision, plan, stats, 2.25, SimpleNamespace(pipeline_depth=1))
+    pipeline = SimpleNamespace(pipeline_depth=1, text_seq_len=0, max_batch_texts=0)
+    line = startup_summary(vision, plan, stats, 2.25, pipeline)
     assert "\n" not in line
     assert line.startswith("encoder ready: tiny, RANDOM weights (preset), cpu float32, attention full=auto (")
     assert "window=auto (" in line  # Qwen2.5-VL's two layer kinds, each with its backend
     assert "buckets 256,1024 (0 graphs captured in 0.0s, 0 MiB)" in line
-    assert "batches up to 8192 patches / 32 images (1 in flight); started in 2.2s" in line
+    assert (
+        "batches up to 8192 patches / 32 images (1 in flight); images only (no text tower with its tokenizer); " in line
+    )
+    assert line.endswith("started in 2.2s")
+    text = startup_summary(
+        vision, plan, stats, 2.25, SimpleNamespace(pipeline_depth=1, text_seq_len=77, max_batch_texts=256)
+    )
+    assert "(1 in flight); text 77 tokens, up to 256 texts a batch; started in 2.2s" in text

@@ -10,7 +10,7 @@ import torch
 import encoder
 import workspace
 from encoder.attention import available_backends
-from tests.graph_cases import GRAPH_BACKENDS, bf16_twin, random_batch, rel_err, split_grids
+from tests.graph_cases import GRAPH_BACKENDS, bf16_twin, graphs_only, random_batch, rel_err, split_grids
 
 pytestmark = pytest.mark.gpu
 # Qwen2.5-VL: window + full layers (auto may pick a backend per kind); Qwen2-VL: full attention everywhere
@@ -29,7 +29,7 @@ def bf16(fp32, request):
 
 @pytest.fixture(scope="module")
 def graph(bf16):
-    return workspace.GraphEncoder(bf16, debug=True)
+    return graphs_only(workspace.GraphEncoder(bf16, debug=True))
 
 
 def assert_close(outs, refs, tol):

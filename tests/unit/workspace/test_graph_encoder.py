@@ -112,6 +112,25 @@ def test_stats_count_padding_and_eager(pair):
     assert s["images"] == 3
 
 
+def test_a_large_much_padded_pack_runs_eagerly_at_its_exact_size(pair):
+    enc, _ = pair
+    graph = workspace.GraphEncoder(enc, buckets=BUCKETS)
+    graph.runner.exact_min_patches = 512  # as EXACT_MIN_PATCHES, scaled to the CPU table
+    padded = random_batch([[1, 20, 20], [1, 12, 12], [1, 8, 8]], enc.config.patch_dim, seed=3)  # 608 of 1024
+    full = random_batch([[1, 30, 30], [1, 10, 10], [1, 4, 6]], enc.config.patch_dim, seed=4)  # 1024 of 1024
+    small = random_batch([[1, 8, 8], [1, 4, 4]], enc.config.patch_dim, seed=5)  # 80 of 256: below the size
+    for batch in (padded, full, small):
+        assert_same(graph.encode(batch, "none"), enc.encode(batch, "none"))
+        assert_same(graph.encode(batch, "mean"), enc.encode(batch, "mean"))
+    s = graph.stats()
+    assert s["exact_runs"] == 2 and s["eager_runs"] == 2  # the padded batch, twice
+    assert s["replays"] == {1024: 2, 256: 2}
+    assert s["padded_patches"] == 2 * (256 - 80)
+    graph.runner.exact_min_padding = 0.5  # 416 of 1024 padded is now too little
+    graph.encode(padded)
+    assert graph.stats()["replays"][1024] == 3 and graph.stats()["exact_runs"] == 2
+
+
 def test_preprocess_and_encode_images(pair):
     """End to end from images: same API and results as the VisionEncoder."""
     from tests.images_util import encode, random_image

@@ -135,12 +135,12 @@ def test_pooling_none_base64_answers_are_in_the_asked_embedding_dtype():
 def test_models_name_the_served_model_and_retrieve_it_by_its_exact_id():
     r = routes(model="tiny", served_model_name="vision-x")
     request = Request({"type": "http", "method": "GET", "path": "/v1/models", "headers": []})
-    listed = orjson.loads(r.models(request).body)
+    listed = orjson.loads(asyncio.run(r.models(request)).body)
     assert [(m["id"], m["object"], m["random_weights"]) for m in listed["data"]] == [("vision-x", "model", True)]
-    got = r.model(request, "vision-x")
+    got = asyncio.run(r.model(request, "vision-x"))
     assert got.status_code == 200 and orjson.loads(got.body) == listed["data"][0]
     for other in ("vision", "Vision-X", "tiny", "vision-x/"):
-        response = r.model(request, other)
+        response = asyncio.run(r.model(request, other))
         error_of(response.status_code, orjson.loads(response.body), 404, "model_not_found", "model")
 
 

@@ -220,7 +220,7 @@ def test_every_error_code_has_its_documented_status_type_and_outcome():
     rows = {
         (400, "invalid_request_error", "client_error"): "INVALID_REQUEST INVALID_JSON INVALID_BASE64 INVALID_DATA_URL "
         "INVALID_IMAGE_URL URL_NOT_ALLOWED IMAGE_FETCH_FAILED INVALID_IMAGE INVALID_ARGUMENT INVALID_POOLING "
-        "INVALID_DIMENSIONS INVALID_EMBEDDING_DTYPE",
+        "INVALID_DIMENSIONS INVALID_EMBEDDING_DTYPE INVALID_TEXT TEXT_NOT_SUPPORTED",
         (401, "authentication_error", "client_error"): "MISSING_API_KEY INVALID_API_KEY",
         (404, "invalid_request_error", "client_error"): "MODEL_NOT_FOUND ROUTE_NOT_FOUND",
         (405, "invalid_request_error", "client_error"): "METHOD_NOT_ALLOWED",

@@ -125,3 +125,25 @@ def test_per_kind_values_that_are_not_names():
     with pytest.raises(ConfigError, match=r"layer kinds \[object\]") as info:
         resolve_attention({object(): "sdpa"}, kinds, cpu, torch.float32, 16)
     assert " at 0x" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("capability", "candidates", "hint"),
+    [
+        ((9, 0), ("triton", "torch_varlen", "sdpa"), "fa4 would be faster here: pip install -e '.[gpu]'"),
+        ((10, 0), ("torch_varlen", "sdpa"), "fa4 would be faster here"),
+        ((8, 0), ("triton", "torch_varlen", "sdpa"), None),  # an A100: FA4 would not run
+        ((9, 0), ("fa4", "triton", "sdpa"), None),  # installed
+        ((9, 0), ("fa3", "torch_varlen", "sdpa"), None),  # FA3 ranks beside it: nothing to say
+    ],
+)
+def test_the_start_up_hint_names_a_faster_backend_that_would_run_here(monkeypatch, capability, candidates, hint):
+    from encoder.attention import missing_faster_backend
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    backends = {"full": AutoAttention("full", {n: Recording(n) for n in candidates})}
+    got = missing_faster_backend(backends, torch.device("cuda", 0))
+    assert got == hint if hint is None else got.startswith(hint)
+    # a forced backend, or the CPU: no hint
+    assert missing_faster_backend({"full": Recording("torch_varlen")}, torch.device("cuda", 0)) is None
+    assert missing_faster_backend(backends, torch.device("cpu")) is None

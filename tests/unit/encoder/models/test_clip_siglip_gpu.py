@@ -11,7 +11,7 @@ import torch
 import encoder
 import workspace
 from encoder.attention import available_backends
-from tests.graph_cases import GRAPH_BACKENDS, bf16_twin, rel_err
+from tests.graph_cases import GRAPH_BACKENDS, bf16_twin, graphs_only, rel_err
 from tests.images_util import encode, random_image
 from workspace.tables import image_count_table
 
@@ -34,7 +34,7 @@ def bf16(fp32, request):
 def graph(bf16):
     # default table: 1, 2, 4, ..., 256 images (capped by the backend); fuses q/k/v and pads the MLP in
     # place, so `bf16` (same model) is the eager reference of the same layout
-    return workspace.GraphEncoder(bf16, debug=True)
+    return graphs_only(workspace.GraphEncoder(bf16, debug=True))
 
 
 def random_batch(enc, n: int, seed: int) -> encoder.PatchBatch:

@@ -11,7 +11,7 @@ import torch
 import encoder
 import workspace
 from encoder.attention import available_backends
-from tests.graph_cases import GRAPH_BACKENDS, bf16_twin, random_batch, rel_err, split_grids
+from tests.graph_cases import GRAPH_BACKENDS, bf16_twin, graphs_only, random_batch, rel_err, split_grids
 
 pytestmark = pytest.mark.gpu
 MODEL = "qwen3-vl-8b"
@@ -29,7 +29,7 @@ def bf16(fp32, request):
 
 @pytest.fixture(scope="module")
 def graph(bf16):
-    return workspace.GraphEncoder(bf16, debug=True)  # the default table: every bucket the service captures
+    return graphs_only(workspace.GraphEncoder(bf16, debug=True))  # the default table: every bucket the service captures
 
 
 def assert_llm_close(outs, refs, tol):
@@ -79,7 +79,7 @@ def test_outputs_are_written_every_replay(graph, bf16):
 @pytest.mark.parametrize("backend", [n for n, why in available_backends().items() if why is None] + ["auto"])
 def test_every_available_backend_captures(fp32, backend):
     enc = bf16_twin(fp32, backend)
-    graph = workspace.GraphEncoder(enc, buckets="256,4096")
+    graph = graphs_only(workspace.GraphEncoder(enc, buckets="256,4096"))
     rng = random.Random(2)
     for case in range(6):
         batch = random_batch(split_grids([256, 4096][case % 2], rng, max_side=48), enc.config.patch_dim, seed=case)
