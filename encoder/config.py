@@ -178,12 +178,13 @@ class Qwen3VLVisionConfig(_QwenVisionBase):
         return self
 
 
-class _VitVisionBase(BaseModel):
-    """A plain ViT over one fixed-resolution image: every image is (image_size / patch_size)^2 patches.
+class _PlainVitBase(BaseModel):
+    """What every plain-ViT `vision_config` has (CLIP, SigLIP, SigLIP2, DINOv2, DINOv3): pre-norm blocks of
+    one width, no temporal patches, no patch merging.
 
     Field names are those of the Hugging Face `vision_config`. The properties named like the Qwen
     configs' (`width`, `depth`, `patch_dim`, `merge_unit`, ...) let shared code (buckets, runner,
-    service) treat both kinds alike: a ViT has no temporal patches and no patch merging.
+    service) treat every kind alike.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -193,26 +194,13 @@ class _VitVisionBase(BaseModel):
     num_hidden_layers: int = Field(12, gt=0, description="Number of transformer blocks.")
     num_attention_heads: int = Field(12, gt=0, description="Attention heads per block.")
     num_channels: int = Field(3, gt=0, description="Image channels (RGB).")
-    image_size: int = Field(224, gt=0, description="Side of the (square) input image in pixels.")
-    patch_size: int = Field(16, gt=0, description="Patch side in pixels; pixels past the last whole patch are unused.")
+    patch_size: int = Field(16, gt=0, description="Patch side in pixels.")
     layer_norm_eps: float = Field(1e-5, gt=0, description="LayerNorm epsilon.")
 
-    @field_validator("image_size", "patch_size", mode="before")
-    @classmethod
-    def _square(cls, v):
-        # HF configs may give [h, w]; the towers (and HF's position embeddings) assume a square
-        if isinstance(v, list | tuple):
-            if len(v) != 2 or v[0] != v[1]:
-                raise ValueError(f"only square sizes are supported, got {list(v)}")
-            return v[0]
-        return v
-
     @model_validator(mode="after")
-    def _check_shape(self):
+    def _check_heads(self):
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
-        if self.image_size < self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is smaller than one patch ({self.patch_size})")
         return self
 
     # -- the names shared code reads -------------------------------------------------------------
@@ -258,23 +246,8 @@ class _VitVisionBase(BaseModel):
         return self.num_channels * self.patch_size**2
 
     @property
-    def grid(self) -> int:
-        """Patches per side."""
-        return self.image_size // self.patch_size
-
-    @property
-    def num_patches(self) -> int:
-        """Patches (and patch tokens) per image: fixed, the unit of the bucket table."""
-        return self.grid**2
-
-    @property
     def has_class_token(self) -> bool:
         return False
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens per image inside the blocks (patches, plus the class token where there is one)."""
-        return self.num_patches + int(self.has_class_token)
 
     @property
     def token_dim(self) -> int:
@@ -285,6 +258,49 @@ class _VitVisionBase(BaseModel):
     def out_dim(self) -> int:
         """Width of the model's own image embedding (pooling "model")."""
         raise NotImplementedError
+
+
+class _VitVisionBase(_PlainVitBase):
+    """A plain ViT over one fixed-resolution image: every image is (image_size / patch_size)^2 patches."""
+
+    image_size: int = Field(224, gt=0, description="Side of the (square) input image in pixels.")
+    patch_size: int = Field(16, gt=0, description="Patch side in pixels; pixels past the last whole patch are unused.")
+
+    @field_validator("image_size", "patch_size", mode="before")
+    @classmethod
+    def _square(cls, v):
+        # HF configs may give [h, w]; the towers (and HF's position embeddings) assume a square
+        if isinstance(v, list | tuple):
+            if len(v) != 2 or v[0] != v[1]:
+                raise ValueError(f"only square sizes are supported, got {list(v)}")
+            return v[0]
+        return v
+
+    @model_validator(mode="after")
+    def _check_image(self):
+        if self.image_size < self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is smaller than one patch ({self.patch_size})")
+        return self
+
+    @property
+    def grid(self) -> int:
+        """Patches per side."""
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        """Patches (and patch tokens) per image: fixed, the unit of the bucket table."""
+        return self.grid**2
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens before each image's patches inside the blocks (a class token where there is one)."""
+        return int(self.has_class_token)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per image inside the blocks: the prefix tokens, then the patches."""
+        return self.prefix_tokens + self.num_patches
 
 
 class ClipVisionConfig(_VitVisionBase):
@@ -323,23 +339,13 @@ class SiglipVisionConfig(_VitVisionBase):
         return self.hidden_size
 
 
-class Siglip2VisionConfig(BaseModel):
+class Siglip2VisionConfig(_PlainVitBase):
     """SigLIP2 NaFlex vision tower (`Siglip2VisionModel`): SigLIP's blocks, post-LayerNorm and attention-pooling
     head over images of any patch grid (up to the processor's `max_num_patches`), the learned square position
     table resized to each image's grid. Variable resolution: images are packed, attention stays within each.
-
-    Field names are those of the Hugging Face `vision_config`; the properties named like the other configs'
-    (`width`, `depth`, `patch_dim`, `merge_unit`, ...) let shared code treat it like them."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    A patch is flattened P * P * C (channels last, as the processor flattens it)."""
 
     family: Literal["siglip2"] = "siglip2"
-    hidden_size: int = Field(768, gt=0, description="Hidden width of the blocks.")
-    intermediate_size: int = Field(3072, gt=0, description="MLP hidden width.")
-    num_hidden_layers: int = Field(12, gt=0, description="Number of transformer blocks.")
-    num_attention_heads: int = Field(12, gt=0, description="Attention heads per block.")
-    num_channels: int = Field(3, gt=0, description="Image channels (RGB).")
-    patch_size: int = Field(16, gt=0, description="Patch side in pixels.")
     num_patches: int = Field(256, gt=0, description="Rows of the learned position table, a square grid (16 x 16).")
     layer_norm_eps: float = Field(1e-6, gt=0, description="LayerNorm epsilon.")
     hidden_act: Literal["gelu_pytorch_tanh", "gelu", "quick_gelu"] = Field(
@@ -350,9 +356,7 @@ class Siglip2VisionConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _check_shape(self):
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
+    def _check_positions(self):
         if self.position_grid**2 != self.num_patches:
             raise ValueError(f"num_patches {self.num_patches} is not a square grid")
         return self
@@ -362,27 +366,33 @@ class Siglip2VisionConfig(BaseModel):
         """Side of the learned position table (HF: int(num_patches ** 0.5))."""
         return int(self.num_patches**0.5)
 
-    # -- the names shared code reads -------------------------------------------------------------
-    width = property(lambda self: self.hidden_size)
-    depth = property(lambda self: self.num_hidden_layers)
-    num_heads = property(lambda self: self.num_attention_heads)
-    head_dim = property(lambda self: self.hidden_size // self.num_attention_heads)
-    mlp_dim = property(lambda self: self.intermediate_size)
-    in_channels = property(lambda self: self.num_channels)
-    temporal_patch_size = property(lambda self: 1)
-    spatial_merge_size = property(lambda self: 1)
-    merge_unit = property(lambda self: 1)
-    has_class_token = property(lambda self: False)
-    token_dim = property(lambda self: self.hidden_size, doc="Width of the per-token outputs (none, mean).")
-    out_dim = property(lambda self: self.hidden_size, doc="Width of pooler_output (pooling model).")
+    @property
+    def out_dim(self) -> int:
+        """Width of pooler_output (pooling "model")."""
+        return self.hidden_size
+
+
+class _DinoVisionBase(_VitVisionBase):
+    """What DINOv2 and DINOv3 share: a class token and register tokens before the patches, a final LayerNorm,
+    `pooler_output` the normed class token."""
+
+    num_register_tokens: int = Field(0, ge=0, description="Register tokens after the class token.")
 
     @property
-    def patch_dim(self) -> int:
-        """Values per flattened input patch: P * P * C (channels last, as the processor flattens it)."""
-        return self.num_channels * self.patch_size**2
+    def has_class_token(self) -> bool:
+        return True
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens before each image's patches inside the blocks: the class token, the registers."""
+        return 1 + self.num_register_tokens
+
+    @property
+    def out_dim(self) -> int:
+        return self.hidden_size
 
 
-class Dinov2VisionConfig(_VitVisionBase):
+class Dinov2VisionConfig(_DinoVisionBase):
     """DINOv2 / DINOv2 with registers (`Dinov2Model`, `Dinov2WithRegistersModel`): class token, register
     tokens (with registers), a learned position table bicubically resized to the input grid, layer scale
     on both branches, a final LayerNorm; `pooler_output` is the normed class token.
@@ -410,15 +420,6 @@ class Dinov2VisionConfig(_VitVisionBase):
     )
 
     @property
-    def has_class_token(self) -> bool:
-        return True
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens per image inside the blocks: class token, registers, patches."""
-        return 1 + self.num_register_tokens + self.num_patches
-
-    @property
     def position_grid(self) -> int:
         """Side of the learned position table (HF: sqrt(num_positions))."""
         return self.position_image_size // self.patch_size
@@ -427,12 +428,8 @@ class Dinov2VisionConfig(_VitVisionBase):
     def swiglu_dim(self) -> int:
         return (int(self.intermediate_size * 2 / 3) + 7) // 8 * 8
 
-    @property
-    def out_dim(self) -> int:
-        return self.hidden_size
 
-
-class Dinov3VisionConfig(_VitVisionBase):
+class Dinov3VisionConfig(_DinoVisionBase):
     """DINOv3 ViT (`DINOv3ViTModel`): class and register tokens, 2D rotary position embedding on the patch
     tokens (patch-centre coordinates in [-1, 1]), layer scale, a plain or gated MLP, a final LayerNorm;
     `pooler_output` is the normed class token. `image_size` is the side the image processor resizes to."""
@@ -452,26 +449,12 @@ class Dinov3VisionConfig(_VitVisionBase):
     proj_bias: bool = True
     mlp_bias: bool = True
     use_gated_mlp: bool = Field(False, description="Gated MLP: down(act(gate(x)) * up(x)).")
-    num_register_tokens: int = Field(0, ge=0, description="Register tokens after the class token.")
 
     @model_validator(mode="after")
     def _check_rotary(self):
         if self.head_dim % 4:
             raise ValueError(f"head size {self.head_dim} is not a multiple of 4 (2D rotary)")
         return self
-
-    @property
-    def has_class_token(self) -> bool:
-        return True
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens per image inside the blocks: class token, registers, patches."""
-        return 1 + self.num_register_tokens + self.num_patches
-
-    @property
-    def out_dim(self) -> int:
-        return self.hidden_size
 
 
 VitVisionConfig = ClipVisionConfig | SiglipVisionConfig

@@ -26,19 +26,23 @@ Outputs of `forward(pixel_values, cu_seqlens)`: (tokens, pooled)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from encoder.attention import AttentionBackend
 from encoder.config import Dinov2VisionConfig
-from encoder.kernels.elementwise import add_norm, linear_float32_out
+from encoder.kernels.elementwise import linear_float32_out
 from encoder.models.fp8 import takes_fp8
-from encoder.models.fusion import concat_linears, pad_hidden
-from encoder.models.layers import activation, norm_args
-from encoder.models.tower import Bounds, TowerOutput, backends_per_kind
+from encoder.models.layers import (
+    MLP,
+    FusedQKV,
+    LayerScaleBlock,
+    PackedAttention,
+    class_token_outputs,
+    prefix_rows,
+)
+from encoder.models.tower import FixedResolutionTower
 
 
 class Dinov2PatchEmbeddings(nn.Module):
@@ -80,13 +84,9 @@ class Dinov2Embeddings(nn.Module):
         n = pixel_values.shape[0] // cfg.num_patches
         proj = self.patch_embeddings.projection
         e = linear_float32_out(pixel_values.float(), proj.weight, proj.bias)  # [n * L, D]
-        r = cfg.num_register_tokens
-        out = torch.empty(n, cfg.seq_len, cfg.width, dtype=torch.float32, device=e.device)
-        out[:, 0] = self.cls_token.view(-1).float() + self.position_embeddings[0, 0].float()
-        if r:
-            out[:, 1 : 1 + r] = self.register_tokens.view(r, -1).float()
-        out[:, 1 + r :] = e.view(n, cfg.num_patches, -1) + self.patch_positions()
-        return out.view(n * cfg.seq_len, -1)
+        cls = self.cls_token.view(-1).float() + self.position_embeddings[0, 0].float()
+        registers = (self.register_tokens.float(),) if cfg.num_register_tokens else ()
+        return prefix_rows(e.view(n, cfg.num_patches, -1) + self.patch_positions(), cls, *registers)
 
 
 class Dinov2SelfAttention(nn.Module):
@@ -103,75 +103,28 @@ class Dinov2SelfOutput(nn.Module):
         self.dense = nn.Linear(dim, dim)
 
 
-class Dinov2Attention(nn.Module):
+class Dinov2Attention(PackedAttention):
     """Self-attention over packed tokens, named as in the checkpoints (`attention.query`, `output.dense`);
     `fused()` puts q/k/v in one GEMM."""
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
-        super().__init__()
-        self.num_heads = num_heads
+        super().__init__(num_heads)
         self.attention = Dinov2SelfAttention(dim, qkv_bias)
         self.output = Dinov2SelfOutput(dim)
-        self.backend: AttentionBackend | None = None  # set by the tower
 
     def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
         a = self.attention
         return a.query, a.key, a.value
 
-    def reads_fp8(self) -> bool:
-        return all(takes_fp8(p) for p in self.projections())
-
-    def qkv(self, x: torch.Tensor):
-        s, d = x.shape
-        heads = self.num_heads
-        return (proj(x).view(s, heads, d // heads) for proj in self.projections())
-
-    def forward(self, x, cu_seqlens, max_seqlen):
-        # x: [S, D] packed tokens in the model dtype (or Fp8Rows)
-        s, d = x.shape
-        q, k, v = self.qkv(x)
-        out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=q.dtype, device=q.device)
-        self.backend(q, k, v, cu_seqlens, max_seqlen, out)
-        return self.output.dense(out.view(s, d))
+    def project_out(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output.dense(h)
 
     def fused(self) -> Dinov2FusedAttention:
-        return Dinov2FusedAttention(concat_linears(*self.projections()), self)
+        return Dinov2FusedAttention(self)
 
 
-class Dinov2FusedAttention(Dinov2Attention):
-    """The same attention with q, k and v in one [3D, D] GEMM (exact: the same dot products)."""
-
-    def __init__(self, qkv_proj: nn.Linear, like: Dinov2Attention):
-        nn.Module.__init__(self)
-        self.num_heads, self.backend = like.num_heads, like.backend
-        self.qkv_proj, self.output = qkv_proj, like.output
-
-    def reads_fp8(self) -> bool:
-        return takes_fp8(self.qkv_proj)
-
-    def qkv(self, x: torch.Tensor):
-        s, d = x.shape
-        return self.qkv_proj(x).view(s, 3, self.num_heads, d // self.num_heads).unbind(1)
-
-    def fused(self) -> Dinov2FusedAttention:
-        return self
-
-
-class Dinov2MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str, layers: tuple[nn.Linear, nn.Linear] | None = None):
-        super().__init__()
-        self.act = act
-        self.fc1, self.fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
-
-    def reads_fp8(self) -> bool:
-        return takes_fp8(self.fc1)
-
-    def forward(self, x):
-        return self.fc2(activation(self.fc1(x), self.act, fp8=takes_fp8(self.fc2)))
-
-    def fused(self, multiple: int) -> Dinov2MLP:
-        pair = pad_hidden(self.fc1, self.fc2, multiple)
-        return self if pair is None else Dinov2MLP(0, 0, self.act, layers=pair)
+class Dinov2FusedAttention(FusedQKV, Dinov2Attention):
+    """`Dinov2Attention` with q, k and v in one GEMM."""
 
 
 class Dinov2SwiGLU(nn.Module):
@@ -193,30 +146,11 @@ class Dinov2SwiGLU(nn.Module):
         return self
 
 
-class Dinov2LayerScale(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.lambda1 = nn.Parameter(torch.ones(dim))
-
-
-class Dinov2Layer(nn.Module):
+class Dinov2Layer(LayerScaleBlock):
     def __init__(self, cfg: Dinov2VisionConfig):
-        super().__init__()
         d = cfg.width
-        self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.attention = Dinov2Attention(d, cfg.num_heads, cfg.qkv_bias)
-        self.layer_scale1 = Dinov2LayerScale(d)
-        self.norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.mlp = Dinov2SwiGLU(d, cfg.swiglu_dim) if cfg.use_swiglu_ffn else Dinov2MLP(d, cfg.mlp_dim, cfg.hidden_act)
-        self.layer_scale2 = Dinov2LayerScale(d)
-
-    def forward(self, x, delta, cu_seqlens, max_seqlen):
-        """Pre-norm block on the residual stream x + delta (delta None on the first block); the
-        branches are scaled by layer scale. Returns the new (x, delta)."""
-        x, h = add_norm(x, delta, *norm_args(self.norm1), fp8=self.attention.reads_fp8())
-        attn = self.attention(h, cu_seqlens, max_seqlen) * self.layer_scale1.lambda1
-        x, h = add_norm(attn, x, *norm_args(self.norm2), fp8=self.mlp.reads_fp8())
-        return x, self.mlp(h) * self.layer_scale2.lambda1
+        mlp = Dinov2SwiGLU(d, cfg.swiglu_dim) if cfg.use_swiglu_ffn else MLP(d, cfg.mlp_dim, cfg.hidden_act)
+        super().__init__(d, cfg.layer_norm_eps, Dinov2Attention(d, cfg.num_heads, cfg.qkv_bias), mlp)
 
 
 class Dinov2Encoder(nn.Module):
@@ -225,8 +159,9 @@ class Dinov2Encoder(nn.Module):
         self.layer = nn.ModuleList(Dinov2Layer(cfg) for _ in range(cfg.depth))
 
 
-class Dinov2VisionTower(nn.Module):
-    """`Dinov2Model` / `Dinov2WithRegistersModel` (see the module docstring)."""
+class Dinov2VisionTower(FixedResolutionTower, nn.Module):
+    """`Dinov2Model` / `Dinov2WithRegistersModel` (see the module docstring); the graph protocol is
+    `FixedResolutionTower`'s."""
 
     # a vision model saved alone (top level), or the backbone of an image classifier
     checkpoint_prefixes: tuple[str, ...] = ("", "dinov2.", "dinov2_with_registers.")
@@ -240,73 +175,11 @@ class Dinov2VisionTower(nn.Module):
         self.layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
         self.set_backend(backend)
 
-    # -- the graph protocol (encoder.models.tower): every image is L patches, one segment of T tokens
-
-    @property
-    def patch_dim(self) -> int:
-        return self.cfg.patch_dim
-
-    merge_unit = 1
-
-    @property
-    def patches_per_image(self) -> int:
-        return self.cfg.num_patches
-
-    @property
-    def seq_len(self) -> int:
-        return self.cfg.seq_len
-
     @property
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layer
 
-    def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds:
-        return Bounds(self.seq_len)
-
-    def batch_bounds(self, grid: list[list[int]]) -> Bounds:
-        return Bounds(self.seq_len)
-
-    def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor:
-        return torch.tensor([self.cfg.grid, self.cfg.grid]).repeat(max_images, 1)
-
-    def segments(self, frames_hw: torch.Tensor) -> torch.Tensor:
-        """cu_seqlens [N + 1] int32 for N image slots; zero (h, w) rows are empty segments (from data)."""
-        real = (frames_hw[:, 0] * frames_hw[:, 1] > 0).to(torch.int32)
-        return F.pad(torch.cumsum(real * self.seq_len, 0), (1, 0)).to(torch.int32)
-
-    def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
-        tokens, pooled = self(pixel_values, self.segments(frames_hw))  # [n * L, D], [n, D]
-        means = tokens.view(frames_hw.shape[0], self.cfg.num_patches, -1).float().mean(1)
-        return TowerOutput(tokens, means, pooled)
-
-    # -- layout changes ---------------------------------------------------------------------------
-    attention_kinds = ("full",)
-
-    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
-        self.backends = backends_per_kind(backend, self.attention_kinds)
-        self.backend = self.backends["full"]
-        for layer in self.encoder.layer:
-            layer.attention.backend = self.backend
-
-    def transformer_blocks(self) -> nn.ModuleList:
-        return self.encoder.layer
-
-    def fuse(self, pad_mlp: int = 128) -> None:
-        """Exact inference-only layout changes: MLP width padded to a multiple of `pad_mlp`, q/k/v in one GEMM."""
-        for layer in self.encoder.layer:
-            layer.mlp = layer.mlp.fused(pad_mlp)
-            layer.attention = layer.attention.fused()
-
-    # -- forward ----------------------------------------------------------------------------------
     def forward(self, pixel_values: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        assert pixel_values.dim() == 2 and pixel_values.shape[1] == cfg.patch_dim, pixel_values.shape
-        assert pixel_values.shape[0] % cfg.num_patches == 0, (pixel_values.shape, cfg.num_patches)
-        x, delta = self.embeddings(pixel_values), None  # [n * T, D] float32
-        for layer in self.encoder.layer:
-            x, delta = layer(x, delta, cu_seqlens, self.seq_len)
-        x = (x + delta.float()).view(-1, cfg.seq_len, cfg.width)
-        ln = self.layernorm
-        normed = F.layer_norm(x, (cfg.width,), ln.weight.float(), ln.bias.float(), ln.eps)  # [n, T, D]
-        tokens = normed[:, 1 + cfg.num_register_tokens :].reshape(-1, cfg.width).to(ln.weight.dtype)
-        return tokens, normed[:, 0]
+        self.check_input(pixel_values)
+        x = self.run_blocks(self.embeddings(pixel_values), cu_seqlens)  # [n * T, D] float32
+        return class_token_outputs(x, self.layernorm, self.seq_len, self.cfg.prefix_tokens)

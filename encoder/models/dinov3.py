@@ -24,7 +24,6 @@ Outputs of `forward(pixel_values, cu_seqlens)`: (tokens, pooled)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +31,17 @@ from torch import nn
 
 from encoder.attention import AttentionBackend
 from encoder.config import Dinov3VisionConfig
-from encoder.kernels.elementwise import add_norm, linear_float32_out
+from encoder.kernels.elementwise import linear_float32_out
 from encoder.models.fp8 import takes_fp8
-from encoder.models.layers import activation, norm_args
-from encoder.models.tower import Bounds, TowerOutput, backends_per_kind
+from encoder.models.layers import (
+    FusedQKV,
+    LayerScaleBlock,
+    PackedAttention,
+    activation,
+    class_token_outputs,
+    prefix_rows,
+)
+from encoder.models.tower import FixedResolutionTower
 
 
 def rotary_tables(cfg: Dinov3VisionConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,79 +76,43 @@ class Dinov3Embeddings(nn.Module):
         cfg = self.cfg
         n = pixel_values.shape[0] // cfg.num_patches
         e = linear_float32_out(pixel_values.float(), self.patch_embeddings.weight, self.patch_embeddings.bias)
-        r = cfg.num_register_tokens
-        out = torch.empty(n, cfg.seq_len, cfg.width, dtype=torch.float32, device=e.device)
-        out[:, 0] = self.cls_token.view(-1).float()
-        if r:
-            out[:, 1 : 1 + r] = self.register_tokens.view(r, -1).float()
-        out[:, 1 + r :] = e.view(n, cfg.num_patches, -1)
-        return out.view(n * cfg.seq_len, -1)
+        registers = (self.register_tokens.float(),) if cfg.num_register_tokens else ()
+        return prefix_rows(e.view(n, cfg.num_patches, -1), self.cls_token.float(), *registers)
 
 
-class Dinov3Attention(nn.Module):
+class Dinov3Attention(PackedAttention):
+    """Self-attention with 2D rotary on the patch tokens' queries and keys; `fused()` puts q/k/v in one GEMM
+    (`concat_linears`: zeros for the bias-free key)."""
+
     def __init__(self, cfg: Dinov3VisionConfig):
-        super().__init__()
+        super().__init__(cfg.num_heads)
         d = cfg.width
         self.cfg = cfg
-        self.num_heads = cfg.num_heads
         self.q_proj = nn.Linear(d, d, bias=cfg.query_bias)
         self.k_proj = nn.Linear(d, d, bias=cfg.key_bias)
         self.v_proj = nn.Linear(d, d, bias=cfg.value_bias)
         self.o_proj = nn.Linear(d, d, bias=cfg.proj_bias)
-        self.backend: AttentionBackend | None = None  # set by the tower
 
-    def reads_fp8(self) -> bool:
-        return takes_fp8(self.q_proj) and takes_fp8(self.k_proj) and takes_fp8(self.v_proj)
-
-    def qkv(self, x: torch.Tensor):
-        s, d = x.shape
-        return (
-            proj(x).view(s, self.num_heads, d // self.num_heads) for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
+    def project_out(self, h: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(h)
 
     def forward(self, x, cu_seqlens, max_seqlen, cos, sin):
         # x: [S, D] packed tokens (model dtype); cos, sin: [L, 1, hd] in the model dtype
         cfg = self.cfg
-        s, d = x.shape
-        heads, hd = self.num_heads, d // self.num_heads
         q, k, v = self.qkv(x)
-        prefix = 1 + cfg.num_register_tokens
+        s, heads, hd = v.shape
+        prefix = cfg.prefix_tokens
         q, k = (t.view(-1, cfg.seq_len, heads, hd) for t in (q, k))  # [n, T, H, hd]
         q = torch.cat((q[:, :prefix], rotate(q[:, prefix:], cos, sin)), dim=1).view(s, heads, hd)
         k = torch.cat((k[:, :prefix], rotate(k[:, prefix:], cos, sin)), dim=1).view(s, heads, hd)
-        out = torch.empty(s, heads, hd, dtype=v.dtype, device=v.device)
-        self.backend(q, k, v, cu_seqlens, max_seqlen, out)
-        return self.o_proj(out.view(s, d))
+        return self.attend(q, k, v, cu_seqlens, max_seqlen)
 
     def fused(self) -> Dinov3FusedAttention:
         return Dinov3FusedAttention(self)
 
 
-class Dinov3FusedAttention(Dinov3Attention):
-    """The same attention with q, k and v in one [3D, D] GEMM; a projection without a bias (DINOv3's key) gets
-    zeros (exact: the same dot products, plus zero)."""
-
-    def __init__(self, like: Dinov3Attention):
-        nn.Module.__init__(self)
-        self.cfg, self.num_heads, self.backend = like.cfg, like.num_heads, like.backend
-        parts = (like.q_proj, like.k_proj, like.v_proj)
-        w = like.q_proj.weight
-        self.qkv_proj = nn.Linear(w.shape[1], 3 * w.shape[0], device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            self.qkv_proj.weight.copy_(torch.cat([p.weight for p in parts]))
-            self.qkv_proj.bias.copy_(torch.cat([p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0])
-                                                for p in parts]))  # fmt: skip
-        self.o_proj = like.o_proj  # after qkv_proj: the blocks' linear layers in execution order
-
-    def reads_fp8(self) -> bool:
-        return takes_fp8(self.qkv_proj)
-
-    def qkv(self, x: torch.Tensor):
-        s, d = x.shape
-        return self.qkv_proj(x).view(s, 3, self.num_heads, d // self.num_heads).unbind(1)
-
-    def fused(self) -> Dinov3FusedAttention:
-        return self
+class Dinov3FusedAttention(FusedQKV, Dinov3Attention):
+    """`Dinov3Attention` with q, k and v in one GEMM."""
 
 
 class Dinov3MLP(nn.Module):
@@ -169,34 +139,19 @@ class Dinov3MLP(nn.Module):
             return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(self._act(self.up_proj(x)))
 
-
-class Dinov3LayerScale(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.lambda1 = nn.Parameter(torch.ones(dim))
+    def fused(self, multiple: int) -> Dinov3MLP:
+        return self  # its widths are kept
 
 
-class Dinov3Layer(nn.Module):
+class Dinov3Layer(LayerScaleBlock):
+    norms_write_fp8 = False  # its FP8 GEMMs quantise the norms' model-dtype rows themselves
+
     def __init__(self, cfg: Dinov3VisionConfig):
-        super().__init__()
-        d = cfg.width
-        self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.attention = Dinov3Attention(cfg)
-        self.layer_scale1 = Dinov3LayerScale(d)
-        self.norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.mlp = Dinov3MLP(cfg)
-        self.layer_scale2 = Dinov3LayerScale(d)
-
-    def forward(self, x, delta, cu_seqlens, max_seqlen, cos, sin):
-        """Pre-norm block on the residual stream x + delta; branches scaled by layer scale."""
-        x, h = add_norm(x, delta, *norm_args(self.norm1))
-        attn = self.attention(h, cu_seqlens, max_seqlen, cos, sin) * self.layer_scale1.lambda1
-        x, h = add_norm(attn, x, *norm_args(self.norm2))
-        return x, self.mlp(h) * self.layer_scale2.lambda1
+        super().__init__(cfg.width, cfg.layer_norm_eps, Dinov3Attention(cfg), Dinov3MLP(cfg))
 
 
-class Dinov3VisionTower(nn.Module):
-    """`DINOv3ViTModel` (see the module docstring)."""
+class Dinov3VisionTower(FixedResolutionTower, nn.Module):
+    """`DINOv3ViTModel` (see the module docstring); the graph protocol is `FixedResolutionTower`'s."""
 
     checkpoint_prefixes: tuple[str, ...] = ("",)
     checkpoint_top_level: tuple[str, ...] = ()
@@ -209,74 +164,12 @@ class Dinov3VisionTower(nn.Module):
         self.norm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
         self.set_backend(backend)
 
-    # -- the graph protocol (encoder.models.tower): every image is L patches, one segment of T tokens
-
-    @property
-    def patch_dim(self) -> int:
-        return self.cfg.patch_dim
-
-    merge_unit = 1
-
-    @property
-    def patches_per_image(self) -> int:
-        return self.cfg.num_patches
-
-    @property
-    def seq_len(self) -> int:
-        return self.cfg.seq_len
-
     @property
     def blocks(self) -> nn.ModuleList:
         return self.layer
 
-    def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds:
-        return Bounds(self.seq_len)
-
-    def batch_bounds(self, grid: list[list[int]]) -> Bounds:
-        return Bounds(self.seq_len)
-
-    def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor:
-        return torch.tensor([self.cfg.grid, self.cfg.grid]).repeat(max_images, 1)
-
-    def segments(self, frames_hw: torch.Tensor) -> torch.Tensor:
-        """cu_seqlens [N + 1] int32 for N image slots; zero (h, w) rows are empty segments (from data)."""
-        real = (frames_hw[:, 0] * frames_hw[:, 1] > 0).to(torch.int32)
-        return F.pad(torch.cumsum(real * self.seq_len, 0), (1, 0)).to(torch.int32)
-
-    def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
-        tokens, pooled = self(pixel_values, self.segments(frames_hw))  # [n * L, D], [n, D]
-        means = tokens.view(frames_hw.shape[0], self.cfg.num_patches, -1).float().mean(1)
-        return TowerOutput(tokens, means, pooled)
-
-    # -- layout changes ---------------------------------------------------------------------------
-    attention_kinds = ("full",)
-
-    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
-        self.backends = backends_per_kind(backend, self.attention_kinds)
-        self.backend = self.backends["full"]
-        for layer in self.layer:
-            layer.attention.backend = self.backend
-
-    def transformer_blocks(self) -> nn.ModuleList:
-        return self.layer
-
-    def fuse(self, pad_mlp: int = 128) -> None:
-        """Exact inference-only layout change: q/k/v in one GEMM (the MLP widths are kept). Idempotent."""
-        for layer in self.layer:
-            layer.attention = layer.attention.fused()
-
-    # -- forward ----------------------------------------------------------------------------------
     def forward(self, pixel_values: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        assert pixel_values.dim() == 2 and pixel_values.shape[1] == cfg.patch_dim, pixel_values.shape
-        assert pixel_values.shape[0] % cfg.num_patches == 0, (pixel_values.shape, cfg.num_patches)
-        dtype = self.norm.weight.dtype
-        cos, sin = (t.to(dtype).unsqueeze(1) for t in rotary_tables(cfg, pixel_values.device))  # [L, 1, hd]
-        x, delta = self.embeddings(pixel_values), None
-        for layer in self.layer:
-            x, delta = layer(x, delta, cu_seqlens, self.seq_len, cos, sin)
-        x = (x + delta.float()).view(-1, cfg.seq_len, cfg.width)
-        ln = self.norm
-        normed = F.layer_norm(x, (cfg.width,), ln.weight.float(), ln.bias.float(), ln.eps)  # [n, T, D]
-        tokens = normed[:, 1 + cfg.num_register_tokens :].reshape(-1, cfg.width).to(dtype)
-        return tokens, normed[:, 0]
+        self.check_input(pixel_values)
+        cos, sin = (t.to(self.norm.weight.dtype).unsqueeze(1) for t in rotary_tables(self.cfg, pixel_values.device))
+        x = self.run_blocks(self.embeddings(pixel_values), cu_seqlens, cos, sin)  # [n * T, D] float32
+        return class_token_outputs(x, self.norm, self.seq_len, self.cfg.prefix_tokens)

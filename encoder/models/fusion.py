@@ -36,13 +36,15 @@ def pad_linear(linear: nn.Linear, out_features: int | None = None, in_features: 
 
 @torch.no_grad()
 def concat_linears(*linears: nn.Linear) -> nn.Linear:
-    """One linear whose output is the concatenation of the given ones' (same input)."""
+    """One linear whose output is the concatenation of the given ones' (same input). Where some have a bias
+    and others not (DINOv3's bias-free key), those get zeros: the same dot products, plus zero."""
     w = linears[0].weight
-    has_bias = linears[0].bias is not None
+    has_bias = any(lin.bias is not None for lin in linears)
     new = nn.Linear(w.shape[1], sum(lin.out_features for lin in linears), bias=has_bias, device=w.device, dtype=w.dtype)
     new.weight.copy_(torch.cat([lin.weight for lin in linears]))
     if has_bias:
-        new.bias.copy_(torch.cat([lin.bias for lin in linears]))
+        zeros = [w.new_zeros(lin.out_features) for lin in linears]
+        new.bias.copy_(torch.cat([z if lin.bias is None else lin.bias for lin, z in zip(linears, zeros, strict=True)]))
     return new
 
 

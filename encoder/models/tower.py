@@ -20,6 +20,9 @@ The static buffers a bucket needs are the same for every tower today: packed pat
 are empty slots). Everything else (segments, rotary tables, window permutation, position
 interpolation weights) is computed by the body from those two, inside the graph.
 
+`FixedResolutionTower` answers the protocol for every tower whose images are all one size (CLIP, SigLIP,
+DINOv2, DINOv3) from its config; `FullAttentionTower` is what those and SigLIP2 share about their blocks.
+
 Text towers answer `TextGraphTower` for `workspace.text_runner`: their static buffers are token ids and mask
 [texts, columns], and they say which leading columns each text's output depends on.
 """
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from encoder.attention import AttentionBackend
 from encoder.kernels.elementwise import segment_means  # noqa: F401  (the towers' and tests' name for it)
@@ -120,3 +125,92 @@ def backends_per_kind(backend: AttentionBackend | Mapping[str, AttentionBackend]
     missing = [k for k in kinds if k not in backend]
     assert not missing, f"no attention backend for layer kinds {missing}"
     return {k: backend[k] for k in kinds}
+
+
+class FullAttentionTower:
+    """Mixed in before `nn.Module` by a tower whose blocks (`blocks`) all attend over whole images (one layer
+    kind, "full") through a `layers.PackedAttention` child named `attention_name`, and hold an `mlp` with
+    `fused(multiple)`."""
+
+    attention_kinds = ("full",)
+    attention_name = "attention"
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
+        self.backends = backends_per_kind(backend, self.attention_kinds)
+        self.backend = self.backends["full"]
+        for block in self.blocks:
+            getattr(block, self.attention_name).backend = self.backend
+
+    def transformer_blocks(self) -> nn.ModuleList:
+        """The blocks whose linear layers `quantization="fp8"` converts (`encoder.models.fp8`)."""
+        return self.blocks
+
+    def fuse(self, pad_mlp: int = 128) -> None:
+        """Inference-only layout changes, all exact, as new modules: the MLPs' hidden width zero-padded to a
+        multiple of `pad_mlp` where the MLP pads (SigLIP's 4304 -> 4352), q/k/v in one GEMM. Idempotent."""
+        for block in self.blocks:
+            block.mlp = block.mlp.fused(pad_mlp)
+            setattr(block, self.attention_name, getattr(block, self.attention_name).fused())
+
+
+class FixedResolutionTower(FullAttentionTower):
+    """The graph protocol of a tower over fixed-resolution images, from its `cfg` (`patch_dim`, `num_patches`,
+    `seq_len`, `grid`): every image is L = num_patches patches and one attention segment of T = seq_len
+    tokens inside the blocks, so a bucket is n whole images (budget n * L). The tower's
+    `forward(pixel_values, cu_seqlens)` gives (tokens [n * L, D], pooled [n, out_dim])."""
+
+    merge_unit = 1  # one output token per patch
+
+    @property
+    def patch_dim(self) -> int:
+        return self.cfg.patch_dim
+
+    @property
+    def patches_per_image(self) -> int:
+        return self.cfg.num_patches
+
+    @property
+    def seq_len(self) -> int:
+        return self.cfg.seq_len
+
+    def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds:
+        return Bounds(self.seq_len)
+
+    def batch_bounds(self, grid: list[list[int]]) -> Bounds:
+        return Bounds(self.seq_len)
+
+    def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor:
+        return torch.tensor([self.cfg.grid, self.cfg.grid]).repeat(max_images, 1)  # every slot real
+
+    def segments(self, frames_hw: torch.Tensor) -> torch.Tensor:
+        """cu_seqlens [N + 1] int32 for N image slots; slots with a zero (h, w) row are empty segments.
+
+        Real images come first, so the boundaries are 0, T, 2T, ..., kT, kT, ...: computed on the
+        device from data, so a captured graph stays right for any image count.
+        """
+        real = (frames_hw[:, 0] * frames_hw[:, 1] > 0).to(torch.int32)
+        return F.pad(torch.cumsum(real * self.seq_len, 0), (1, 0)).to(torch.int32)
+
+    def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
+        # pixel_values: [n * L, C*P*P] for n = frames_hw.shape[0] slots; padding slots are whole
+        # images of stale rows in empty segments, never mixed with real ones
+        tokens, pooled = self(pixel_values, self.segments(frames_hw))  # [n * L, D], [n, out_dim]
+        means = tokens.view(frames_hw.shape[0], self.cfg.num_patches, -1).float().mean(1)
+        return TowerOutput(tokens, means, pooled)
+
+    def check_input(self, pixel_values: torch.Tensor) -> None:
+        cfg = self.cfg
+        assert pixel_values.dim() == 2 and pixel_values.shape[1] == cfg.patch_dim, pixel_values.shape
+        assert pixel_values.shape[0] % cfg.num_patches == 0, (pixel_values.shape, cfg.num_patches)
+
+    def run_blocks(self, x: torch.Tensor, cu_seqlens: torch.Tensor, *position: torch.Tensor) -> torch.Tensor:
+        """The blocks over the float32 residual stream [n * T, D] -> its float32 sum after the last block;
+        `position`: what the blocks take besides (DINOv3's rotary tables)."""
+        delta = None
+        for block in self.blocks:
+            x, delta = block(x, delta, cu_seqlens, self.seq_len, *position)
+        return x + delta

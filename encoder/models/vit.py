@@ -26,92 +26,40 @@ Outputs of `forward(pixel_values, cu_seqlens)`: (tokens, pooled)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from encoder.attention import AttentionBackend
 from encoder.config import ClipVisionConfig, Siglip2VisionConfig, SiglipVisionConfig, VitVisionConfig
-from encoder.kernels.elementwise import add_norm, linear_float32_out, linear_gelu_tanh
-from encoder.models.fp8 import takes_fp8
-from encoder.models.fusion import concat_linears, pad_hidden
-from encoder.models.layers import activation, norm_args
-from encoder.models.tower import Bounds, TowerOutput, backends_per_kind, frames_dummy, segment_means
+from encoder.kernels.elementwise import add_norm, linear_float32_out
+from encoder.models.layers import MLP, FusedQKV, PackedAttention, norm_args, prefix_rows
+from encoder.models.tower import (
+    Bounds,
+    FixedResolutionTower,
+    FullAttentionTower,
+    TowerOutput,
+    frames_dummy,
+    segment_means,
+)
 
 
-class VitMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str, layers: tuple[nn.Linear, nn.Linear] | None = None):
-        super().__init__()
-        self.act = act
-        self.fc1, self.fc2 = layers or (nn.Linear(dim, hidden), nn.Linear(hidden, dim))
-
-    def reads_fp8(self) -> bool:
-        return takes_fp8(self.fc1)
-
-    def forward(self, x):
-        fp8 = takes_fp8(self.fc2)  # the activation then writes FP8 rows
-        if self.act == "gelu_pytorch_tanh":  # SigLIP: the activation in the fc1 GEMM's epilogue
-            return self.fc2(linear_gelu_tanh(x, self.fc1, fp8=fp8))
-        return self.fc2(activation(self.fc1(x), self.act, fp8=fp8))
-
-    def fused(self, multiple: int) -> VitMLP:
-        """The same MLP, hidden width zero-padded to a multiple (exact: every activation has act(0) = 0)."""
-        pair = pad_hidden(self.fc1, self.fc2, multiple)
-        return self if pair is None else VitMLP(0, 0, self.act, layers=pair)
-
-
-class VitAttention(nn.Module):
+class VitAttention(PackedAttention):
     """Self-attention over packed tokens; q/k/v projections as in HF (`fused()` puts them in one GEMM)."""
 
     def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        self.num_heads = num_heads
+        super().__init__(num_heads)
         self.q_proj = nn.Linear(dim, dim)
         self.k_proj = nn.Linear(dim, dim)
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
-        self.backend: AttentionBackend | None = None  # set by the tower
-
-    def reads_fp8(self) -> bool:
-        return takes_fp8(self.q_proj) and takes_fp8(self.k_proj) and takes_fp8(self.v_proj)
-
-    def qkv(self, x: torch.Tensor):
-        s, d = x.shape
-        heads = self.num_heads
-        return (proj(x).view(s, heads, d // heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
-
-    def forward(self, x, cu_seqlens, max_seqlen):
-        # x: [S, D] packed tokens in the model dtype (or Fp8Rows when the q/k/v GEMMs are FP8)
-        s, d = x.shape
-        q, k, v = self.qkv(x)
-        out = torch.empty(s, self.num_heads, d // self.num_heads, dtype=q.dtype, device=q.device)
-        self.backend(q, k, v, cu_seqlens, max_seqlen, out)
-        return self.out_proj(out.view(s, d))
 
     def fused(self) -> FusedQKVAttention:
-        return FusedQKVAttention(concat_linears(self.q_proj, self.k_proj, self.v_proj), self.out_proj, self)
+        return FusedQKVAttention(self)
 
 
-class FusedQKVAttention(VitAttention):
-    """The same attention with q, k and v in one [3D, D] GEMM (exact: the same dot products)."""
-
-    def __init__(self, qkv_proj: nn.Linear, out_proj: nn.Linear, like: VitAttention):
-        nn.Module.__init__(self)
-        self.num_heads, self.backend = like.num_heads, like.backend
-        self.qkv_proj, self.out_proj = qkv_proj, out_proj
-
-    def reads_fp8(self) -> bool:
-        return takes_fp8(self.qkv_proj)
-
-    def qkv(self, x: torch.Tensor):
-        # views with unit stride on the head dim; every backend accepts the other strides
-        s, d = x.shape
-        return self.qkv_proj(x).view(s, 3, self.num_heads, d // self.num_heads).unbind(1)
-
-    def fused(self) -> FusedQKVAttention:
-        return self
+class FusedQKVAttention(FusedQKV, VitAttention):
+    """`VitAttention` with q, k and v in one GEMM."""
 
 
 class VitLayer(nn.Module):
@@ -120,7 +68,7 @@ class VitLayer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
         self.self_attn = VitAttention(cfg.width, cfg.num_heads)
         self.layer_norm2 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
-        self.mlp = VitMLP(cfg.width, cfg.mlp_dim, cfg.hidden_act)
+        self.mlp = MLP(cfg.width, cfg.mlp_dim, cfg.hidden_act)
 
     def forward(self, x, delta, cu_seqlens, max_seqlen):
         """Pre-norm block on the residual stream x + delta (delta None on the first block); each
@@ -157,10 +105,7 @@ class VitEmbeddings(nn.Module):
         pos = self.position_embedding.weight.float()
         if not cfg.has_class_token:
             return (e.view(n, cfg.num_patches, -1) + pos).view(n * cfg.seq_len, -1)
-        out = torch.empty(n, cfg.seq_len, cfg.width, dtype=torch.float32, device=e.device)
-        out[:, 0] = self.class_embedding.float() + pos[0]
-        out[:, 1:] = e.view(n, cfg.num_patches, -1) + pos[1:]
-        return out.view(n * cfg.seq_len, -1)
+        return prefix_rows(e.view(n, cfg.num_patches, -1) + pos[1:], self.class_embedding.float() + pos[0])
 
 
 class PoolingAttention(nn.Module):
@@ -194,7 +139,7 @@ class AttentionPoolingHead(nn.Module):
         self.probe = nn.Parameter(torch.zeros(1, 1, cfg.width))
         self.attention = PoolingAttention(cfg.width, cfg.num_heads)
         self.layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
-        self.mlp = VitMLP(cfg.width, cfg.mlp_dim, cfg.hidden_act)
+        self.mlp = MLP(cfg.width, cfg.mlp_dim, cfg.hidden_act)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # tokens: [n, T, D] model dtype -> [n, D] float32 (residual and norm in float32)
@@ -204,8 +149,9 @@ class AttentionPoolingHead(nn.Module):
         return r + self.mlp(y).float()
 
 
-class VitTower(nn.Module):
-    """Shared body of the CLIP and SigLIP towers (see the module docstring)."""
+class VitTower(FixedResolutionTower, nn.Module):
+    """Shared body of the CLIP and SigLIP towers (see the module docstring); the graph protocol is
+    `FixedResolutionTower`'s."""
 
     # where the tower's weights sit in a checkpoint: under `vision_model.` (full CLIPModel /
     # SiglipModel, CLIPVisionModelWithProjection, older SiglipVisionModel) or at the top level
@@ -213,6 +159,7 @@ class VitTower(nn.Module):
     checkpoint_prefixes: tuple[str, ...] = ("vision_model.", "")
     # weights outside the vision model in every layout (CLIP's projection)
     checkpoint_top_level: tuple[str, ...] = ()
+    attention_name = "self_attn"
 
     def __init__(self, cfg: VitVisionConfig, backend: AttentionBackend):
         super().__init__()
@@ -221,77 +168,9 @@ class VitTower(nn.Module):
         self.encoder = VitEncoder(cfg)
         self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
 
-    # -- the graph protocol (encoder.models.tower) ------------------------------------------------------
-    # every image is L patches: a bucket is n whole images (budget n * L), one segment of T tokens each
-
-    @property
-    def patch_dim(self) -> int:
-        return self.cfg.patch_dim
-
-    merge_unit = 1  # one output token per patch
-
-    @property
-    def patches_per_image(self) -> int:
-        return self.cfg.num_patches
-
-    @property
-    def seq_len(self) -> int:
-        return self.cfg.seq_len
-
     @property
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layers
-
-    def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds:
-        return Bounds(self.seq_len)
-
-    def batch_bounds(self, grid: list[list[int]]) -> Bounds:
-        return Bounds(self.seq_len)
-
-    def dummy_frames(self, budget: int, max_images: int, bounds: Bounds) -> torch.Tensor:
-        return torch.tensor([self.cfg.grid, self.cfg.grid]).repeat(max_images, 1)  # every slot real
-
-    def segments(self, frames_hw: torch.Tensor) -> torch.Tensor:
-        """cu_seqlens [N + 1] int32 for N image slots; slots with a zero (h, w) row are empty segments.
-
-        Real images come first, so the boundaries are 0, T, 2T, ..., kT, kT, ...: computed on the
-        device from data, so a captured graph stays right for any image count.
-        """
-        real = (frames_hw[:, 0] * frames_hw[:, 1] > 0).to(torch.int32)
-        return F.pad(torch.cumsum(real * self.seq_len, 0), (1, 0)).to(torch.int32)
-
-    def forward_packed(self, pixel_values: torch.Tensor, frames_hw: torch.Tensor, bounds: Bounds) -> TowerOutput:
-        # pixel_values: [n * L, C*P*P] for n = frames_hw.shape[0] slots; padding slots are whole
-        # images of stale rows in empty segments, never mixed with real ones
-        tokens, pooled = self(pixel_values, self.segments(frames_hw))  # [n * L, dim], [n, out_dim]
-        means = tokens.view(frames_hw.shape[0], self.cfg.num_patches, -1).float().mean(1)
-        return TowerOutput(tokens, means, pooled)
-
-    # -- layout changes ---------------------------------------------------------------------------
-    attention_kinds = ("full",)  # one segment per image in every layer
-
-    def set_backend(self, backend: AttentionBackend | Mapping[str, AttentionBackend]) -> None:
-        self.backends = backends_per_kind(backend, self.attention_kinds)
-        self.backend = self.backends["full"]
-        for layer in self.encoder.layers:
-            layer.self_attn.backend = self.backend
-
-    def transformer_blocks(self) -> nn.ModuleList:
-        """The encoder layers whose linear layers `quantization="fp8"` converts (`encoder.models.fp8`)."""
-        return self.encoder.layers
-
-    def fuse(self, pad_mlp: int = 128) -> None:
-        """Inference-only layout changes, all exact, as new modules: the blocks' MLP width zero-padded
-        to a multiple of `pad_mlp` (SigLIP's 4304 -> 4352), q/k/v in one GEMM. Idempotent."""
-        for layer in self.encoder.layers:
-            layer.mlp = layer.mlp.fused(pad_mlp)
-            layer.self_attn = layer.self_attn.fused()
-
-    # -- forward ----------------------------------------------------------------------------------
-    def check_input(self, pixel_values: torch.Tensor) -> None:
-        cfg = self.cfg
-        assert pixel_values.dim() == 2 and pixel_values.shape[1] == cfg.patch_dim, pixel_values.shape
-        assert pixel_values.shape[0] % cfg.num_patches == 0, (pixel_values.shape, cfg.num_patches)
 
     def stream_start(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -299,11 +178,7 @@ class VitTower(nn.Module):
     def features(self, pixel_values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """[n * L, C*P*P] patches -> [n * T, D] float32 encoder output (before `post_layernorm`)."""
         self.check_input(pixel_values)
-        x = self.stream_start(self.embeddings(pixel_values))
-        delta = None
-        for layer in self.encoder.layers:
-            x, delta = layer(x, delta, cu_seqlens, self.seq_len)
-        return x + delta
+        return self.run_blocks(self.stream_start(self.embeddings(pixel_values)), cu_seqlens)
 
     def forward(self, pixel_values: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -429,7 +304,7 @@ class Siglip2Embeddings(nn.Module):
         self.position_embedding = nn.Embedding(cfg.num_patches, cfg.width)
 
 
-class Siglip2VisionTower(nn.Module):
+class Siglip2VisionTower(FullAttentionTower, nn.Module):
     """`Siglip2VisionModel` (NaFlex) over packed images of any grid; implements `encoder.models.tower.GraphTower`.
 
     Images are packed row after row with no padding between them (transformers pads each to
@@ -441,7 +316,7 @@ class Siglip2VisionTower(nn.Module):
 
     patches_per_image = None  # variable resolution
     merge_unit = 1
-    attention_kinds = ("full",)
+    attention_name = "self_attn"
     checkpoint_prefixes: tuple[str, ...] = ("vision_model.", "")
     checkpoint_top_level: tuple[str, ...] = ()
 
@@ -458,10 +333,6 @@ class Siglip2VisionTower(nn.Module):
     @property
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layers
-
-    set_backend = VitTower.set_backend
-    transformer_blocks = VitTower.transformer_blocks
-    fuse = VitTower.fuse
 
     # -- the graph protocol (encoder.models.tower) ------------------------------------------------------
     def bucket_bounds(self, budget: int, max_images: int, max_image_patches: int) -> Bounds:
