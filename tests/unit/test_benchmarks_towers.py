@@ -20,8 +20,10 @@ def test_towers_benchmark_cpu_smoke(capsys, tmp_path):
     assert towers.main(["--device", "cpu", "--seconds", "0", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     table = [line for line in printed.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
-    # per model a header; NaFlex 2 settings, DINO 1; 2 sizes; HF, eager, graph path, graph path + host copy
-    assert len(table) == 3 + (2 + 1 + 1) * 2 * 4
+    # per model a header; NaFlex 2 settings, DINO 1; 2 sizes; HF, eager, graph path, graph path + host copy; then
+    # issue 46's table: a header, a row per model and setting (the 1-image column only: 3 is no target)
+    assert len(table) == 3 + (2 + 1 + 1) * 2 * 4 + 1 + 4
+    assert "| 1 image (>= 3x) | max rel. error vs HF |" in printed
     payload = json.loads(out.read_text())
     rows = payload["rows"]
     assert {r["model"] for r in rows} == {"tiny-siglip2", "tiny-dinov2", "tiny-dinov3"}
