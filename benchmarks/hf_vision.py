@@ -96,8 +96,8 @@ def hf_vision_model(enc, device=None, dtype: torch.dtype | None = None) -> torch
         model, info = cls.from_pretrained(
             directory, dtype=dtype or enc.dtype, attn_implementation="sdpa", output_loading_info=True
         )
-    left = [k for k in info["missing_keys"] if not k.endswith(("position_ids", "inv_freq"))]
-    assert not left and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    left = [k for k in info.get("missing_keys", ()) if not k.endswith(("position_ids", "inv_freq"))]
+    assert not left and not info.get("unexpected_keys") and not info.get("mismatched_keys"), info
     return model.to(device).eval()
 
 

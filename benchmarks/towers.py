@@ -21,7 +21,7 @@ every row. `--device cpu` is a smoke run (tiny presets, float32, host clock, buc
 script before a GPU session (`tests/unit/test_benchmarks_towers.py`).
 
     python -m benchmarks.towers [--model siglip2-so400m-16-naflex,dinov2-large,dinov3-vitl16] [--max-patches 256,1024]
-                                [--images 1,256] [--seconds 1.0] [--no-hf] [--json PATH]
+                                [--images 1,256] [--seconds 0.5] [--no-hf] [--json PATH]
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ class Bench:
         self.notes: list[str] = []
 
     def clock(self, fn) -> float:
-        """Median ms per call of `fn`: about `--seconds` of calls (at most `--iters`; on CUDA 3 at least) after
-        warm-up; CUDA events on the GPU, the host clock on the CPU."""
+        """Median ms per call of `fn`: about `--seconds` of calls (at most `--iters`; on CUDA 3 at least) after two
+        warm-up calls (the first one also sizes the run); CUDA events on the GPU, the host clock on the CPU."""
         sync = torch.cuda.synchronize if self.cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()
@@ -112,7 +112,7 @@ class Bench:
         sync()
         once = time.perf_counter() - t0
         iters = max(3 if self.cuda else 1, min(self.args.iters, int(self.args.seconds / max(once, 1e-6))))
-        return timed(fn, iters, warmup=2) if self.cuda else wall_timed(fn, iters)
+        return timed(fn, iters, warmup=1) if self.cuda else wall_timed(fn, iters)
 
     def record(self, name: str, case: Case, impl: str, n: int, ms: float, **extra) -> dict:
         real = int(case.batches[n].grid_thw.prod(1).sum())
@@ -127,10 +127,10 @@ class Bench:
             torch.cuda.empty_cache()
 
 
-@torch.inference_mode()
 def run_model(bench: Bench, name: str, max_patches: list[int], sizes: list[int]) -> list[dict]:
     """HF eager, our eager encoder, then our graphs (one `GraphEncoder` per NaFlex max_num_patches) for preset
-    `name`; its rows."""
+    `name`; its rows. Models and graphs are built as the service builds them (outside inference mode); every
+    forward runs in inference mode."""
     args, cuda = bench.args, bench.cuda
     first = len(bench.rows)
     with warnings.catch_warnings():
@@ -140,59 +140,69 @@ def run_model(bench: Bench, name: str, max_patches: list[int], sizes: list[int])
     gen = torch.Generator(device=args.device).manual_seed(0)
     cases = [Case(base, m, sizes, gen) for m in (max_patches if naflex else [None])]
     hf_out: dict[tuple[int | None, int], torch.Tensor] = {}
-
-    def versus_hf(case: Case, n: int, pooled: torch.Tensor) -> dict:
-        ref = hf_out.get((case.max_patches, n))
-        return {} if ref is None else {"rel_err_vs_hf": rel_err(pooled.float(), ref)}
-
     # HF first (its weights read from the unfused tower), then freed
     if not args.no_hf:
         t0 = time.perf_counter()
         hf = hf_vision_model(base)
         bench.notes.append(f"{name}: HF {type(hf).__name__} built and loaded in {time.perf_counter() - t0:.1f} s")
-        for case in cases:
-            for n in sizes:
-                inputs = case.hf_inputs[n]
-                hf_out[case.max_patches, n] = hf_pooled(hf, inputs).float()
-                ms = bench.clock(lambda i=inputs: hf_pooled(hf, i))
-                bench.record(name, case, "HF transformers eager (sdpa)", n, ms)
+        with torch.inference_mode():
+            for case in cases:
+                for n in sizes:
+                    inputs = case.hf_inputs[n]
+                    hf_out[case.max_patches, n] = hf_pooled(hf, inputs).float()
+                    ms = bench.clock(lambda i=inputs: hf_pooled(hf, i))
+                    bench.record(name, case, "HF transformers eager (sdpa)", n, ms)
         del hf
         bench.free()
+
+    def versus_hf(case: Case, n: int, pooled: torch.Tensor) -> dict:
+        ref = hf_out.get((case.max_patches, n))
+        return {} if ref is None else {"rel_err_vs_hf": rel_err(pooled.float(), ref)}
+
     # our eager encoder (unfused, as `encoder.load` gives it), before a GraphEncoder fuses the shared tower
-    for case in cases:
-        for n in sizes:
-            b = case.batches[n]
-            err = versus_hf(case, n, case.enc.run_packed(b).pooled)
-            bench.record(name, case, "ours, eager", n, bench.clock(lambda b=b, e=case.enc: e.run_packed(b)), **err)
+    with torch.inference_mode():
+        for case in cases:
+            for n in sizes:
+                b, enc = case.batches[n], case.enc
+                err = versus_hf(case, n, enc.run_packed(b).pooled)
+                bench.record(name, case, "ours, eager", n, bench.clock(lambda b=b, e=enc: e.run_packed(b)), **err)
     for case in cases:
         t0 = time.perf_counter()
         graph = workspace.GraphEncoder(case.enc, None if cuda else "256,1024")
         setup_s = time.perf_counter() - t0
-        runner, stats = graph.runner, graph.runner.stats
+        stats = graph.runner.stats
         bench.notes.append(
             f"{name}" + (f" at {case.max_patches} max patches" if naflex else "") + f": {stats.captures} graphs "
             f"({', '.join(f'{k.budget}/{k.max_images}' for k in graph.table.keys)} patches/images) captured in "
             f"{stats.capture_seconds:.1f} s, {stats.capture_bytes / 2**30:.2f} GiB of pool; set up in {setup_s:.1f} s"
         )
-        impl = "ours, graph replay" if runner.use_graphs else "ours, buckets run eagerly (no CUDA)"
-        for n in sizes:
-            b = case.batches[n]
-            before = stats.as_dict()
-            pooled = runner.run_all(b.pixel_values, b.grid_thw).pooled
-            after = stats.as_dict()
-            packs = {  # what one call ran: replays, packs run eagerly (exact size), padding rows
-                "replays": sum(after["replays"].values()) - sum(before["replays"].values()),
-                "eager_packs": after["eager_runs"] - before["eager_runs"],
-                "padded_patches": after["padded_patches"] - before["padded_patches"],
-            }
-            ms = bench.clock(lambda b=b, r=runner: r.run_all(b.pixel_values, b.grid_thw))
-            bench.record(name, case, impl, n, ms, **versus_hf(case, n, pooled), **packs)
-            host = torch.stack(graph.encode(b, "model"))
-            ms = bench.clock(lambda b=b, g=graph: g.encode(b, "model"))
-            bench.record(name, case, f"{impl} + host copy", n, ms, **versus_hf(case, n, host))
-        del graph, runner
+        measure_graph(bench, name, case, graph, sizes, versus_hf)
+        del graph
         bench.free()
     return bench.rows[first:]
+
+
+@torch.inference_mode()
+def measure_graph(bench: Bench, name: str, case: Case, graph, sizes: list[int], versus_hf) -> None:
+    """`graph`'s rows: `run_all` (outputs on the device) and `encode` (float32 vectors on the host), with what one
+    call ran (replays, packs run eagerly at their exact size, padding rows) and the errors against HF."""
+    runner, stats = graph.runner, graph.runner.stats
+    impl = "ours, graph replay" if runner.use_graphs else "ours, buckets run eagerly (no CUDA)"
+    for n in sizes:
+        b = case.batches[n]
+        before = stats.as_dict()
+        pooled = runner.run_all(b.pixel_values, b.grid_thw).pooled
+        after = stats.as_dict()
+        packs = {
+            "replays": sum(after["replays"].values()) - sum(before["replays"].values()),
+            "eager_packs": after["eager_runs"] - before["eager_runs"],
+            "padded_patches": after["padded_patches"] - before["padded_patches"],
+        }
+        ms = bench.clock(lambda b=b: runner.run_all(b.pixel_values, b.grid_thw))
+        bench.record(name, case, impl, n, ms, **versus_hf(case, n, pooled), **packs)
+        host = torch.stack(graph.encode(b, "model"))
+        ms = bench.clock(lambda b=b: graph.encode(b, "model"))
+        bench.record(name, case, f"{impl} + host copy", n, ms, **versus_hf(case, n, host))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cpu: 16,64)")  # fmt: skip
     parser.add_argument("--images", default=None, help="comma list of images per call (default: 1,256; cpu: 1,3)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run")
-    parser.add_argument("--seconds", type=float, default=1.0, help="about how long each measurement runs")
+    parser.add_argument("--seconds", type=float, default=0.5, help="about how long each measurement runs")
     parser.add_argument("--iters", type=int, default=30, help="at most this many timed calls per measurement")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", default=None, help="also write the rows here (rewritten after each model)")
@@ -219,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_model(bench, name, max_patches, sizes)
         bench.free()
         print_table(name, rows, device_name, bench.dtype)
+        print_acceptance(rows)  # per model as it ends (a step cut short keeps the models done), then all of them
         write_results(args.json, {"models": models, "dtype": str(bench.dtype), "notes": bench.notes,
                                   "rows": bench.rows})  # fmt: skip
     print_acceptance(bench.rows)

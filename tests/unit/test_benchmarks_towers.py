@@ -21,8 +21,9 @@ def test_towers_benchmark_cpu_smoke(capsys, tmp_path):
     printed = capsys.readouterr().out
     table = [line for line in printed.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
     # per model a header; NaFlex 2 settings, DINO 1; 2 sizes; HF, eager, graph path, graph path + host copy; then
-    # issue 46's table: a header, a row per model and setting (the 1-image column only: 3 is no target)
-    assert len(table) == 3 + (2 + 1 + 1) * 2 * 4 + 1 + 4
+    # issue 46's table after each model and at the end: a header, a row per model and setting (the 1-image column
+    # only: 3 is no target)
+    assert len(table) == 3 + (2 + 1 + 1) * 2 * 4 + (1 + 2) + (1 + 1) * 2 + (1 + 4)
     assert "| 1 image (>= 3x) | max rel. error vs HF |" in printed
     payload = json.loads(out.read_text())
     rows = payload["rows"]
