@@ -24,47 +24,8 @@ import encoder
 import workspace
 from benchmarks.common import matmul_peak, require_cuda, timed, use_backend, write_results
 from benchmarks.flops import vit_flops_per_image as flops_per_image
+from benchmarks.hf_vision import hf_pooled, hf_vision_model, to_patches
 from encoder.attention import available_backends
-from encoder.config import ClipVisionConfig
-
-
-def hf_model(enc, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
-    """HF's vision model with our (random) weights, SDPA attention."""
-    import transformers as tf
-
-    cfg = enc.config
-    common = dict(hidden_size=cfg.width, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.depth,
-                  num_attention_heads=cfg.num_heads, image_size=cfg.image_size, patch_size=cfg.patch_size,
-                  hidden_act=cfg.hidden_act, layer_norm_eps=cfg.layer_norm_eps)  # fmt: skip
-    if isinstance(cfg, ClipVisionConfig):
-        hf_cfg = tf.CLIPVisionConfig(**common, projection_dim=cfg.projection_dim)
-        cls = tf.CLIPVisionModelWithProjection
-    else:
-        hf_cfg = tf.SiglipVisionConfig(**common)
-        cls = tf.SiglipVisionModel
-    hf_cfg._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = cls(hf_cfg).to(dtype).eval()
-    target = model.state_dict()
-    state = {}
-    for name, value in enc.model.state_dict().items():
-        key = name if name in target else f"vision_model.{name}"
-        state[key] = value.view(target[key].shape)  # the patch embedding: linear -> Conv2d
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("position_ids" in k for k in missing), (missing, unexpected)
-    return model
-
-
-def hf_embeds(model, pixels: torch.Tensor) -> torch.Tensor:
-    out = model(pixel_values=pixels)
-    return out.image_embeds if hasattr(out, "image_embeds") else out.pooler_output
-
-
-def to_patches(pixels: torch.Tensor, cfg) -> torch.Tensor:
-    """[N, 3, S, S] -> our packed float32 patches [N * L, 3*P*P] (whole patches only)."""
-    n, p, g = pixels.shape[0], cfg.patch_size, cfg.grid
-    x = pixels[:, :, : g * p, : g * p].float().reshape(n, 3, g, p, g, p)
-    return x.permute(0, 2, 4, 1, 3, 5).reshape(n * g * g, 3 * p * p).contiguous()
 
 
 def main() -> int:
@@ -89,9 +50,8 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     pixels = {n: torch.randn(n, 3, cfg.image_size, cfg.image_size, device="cuda", generator=gen) for n in sizes}
     hf_pixels = {n: x.bfloat16() for n, x in pixels.items()}
-    batches = {
-        n: encoder.PatchBatch(to_patches(pixels[n], cfg), torch.tensor([[1, cfg.grid, cfg.grid]] * n)) for n in sizes
-    }
+    grids = {n: torch.tensor([[1, cfg.grid, cfg.grid]] * n) for n in sizes}
+    batches = {n: encoder.PatchBatch(to_patches(pixels[n], cfg.patch_size), grids[n]) for n in sizes}
 
     def record(impl: str, n: int, ms: float, extra: dict | None = None) -> None:
         rows.append(dict(impl=impl, images=n, ms=ms, img_s=n / ms * 1e3, mfu=per_image * n / ms / 1e9 / peak,
@@ -100,11 +60,11 @@ def main() -> int:
 
     reference = None
     if not args.no_hf:
-        hf = hf_model(base)
+        hf = hf_vision_model(base)
         with torch.inference_mode():
-            reference = hf_embeds(hf, hf_pixels[sizes[0]]).float()
+            reference = hf_pooled(hf, {"pixel_values": hf_pixels[sizes[0]]}).float()
             for n in sizes:
-                ms = timed(lambda n=n: hf_embeds(hf, hf_pixels[n]), max(3, args.iters // 4))
+                ms = timed(lambda n=n: hf_pooled(hf, {"pixel_values": hf_pixels[n]}), max(3, args.iters // 4))
                 record("HF transformers eager (sdpa)", n, ms)
         del hf
         torch.cuda.empty_cache()

@@ -53,6 +53,18 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def wall_timed(fn, iters: int, warmup: int = 1) -> float:
+    """Median milliseconds per call by the host clock (the CPU smoke run)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def graph_of(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
     """`calls` calls of `fn` captured in one CUDA graph, after a warm-up call on a side stream (as capture needs)."""
     side = torch.cuda.Stream()

@@ -7,7 +7,7 @@
 #   all      util tests bench clip startup qwen3 profile attn, in that order (what fits in BUDGET_S runs)
 #   util     issue 45's utilisation rows, quickly: benchmarks/engine.py, auto backend, no HF, Qwen3-VL-8B and
 #            Qwen2.5-VL-7B at 8x896 and 32x224 (whole-forward FLOP/s against the burst and the sustained peak)
-#   tests    pytest -m gpu (attention, engine, preprocessing, kernels, CLIP/SigLIP, SigLIP2, text graphs)
+#   tests    pytest -m gpu (attention, engine, preprocessing, kernels, CLIP/SigLIP, SigLIP2, DINOv2/v3, text graphs)
 #   attn     benchmarks/attention.py --check
 #   bench    benchmarks/engine.py (every backend, HF beside); quick: triton only, no HF
 #   startup  benchmarks/startup.py (model load, then every graph's capture), qwen2.5-vl-7b, auto
@@ -16,6 +16,10 @@
 #   profile  benchmarks/profile_engine.py
 #   clip     benchmarks/clip.py
 #   text     benchmarks/text.py (issue 46: CLIP ViT-L/14's text tower, graph replay vs eager vs HF, 1 and 256 texts)
+#   towers   benchmarks/towers.py (issue 46: SigLIP2 so400m NaFlex at 256 and 1024 max patches, DINOv2-L, DINOv3-L;
+#            graph replay vs our eager vs HF eager, 1 and 256 images, pooled outputs against HF's)
+#   towertests  issue 46's GPU tests alone (part of `tests`): SigLIP2 NaFlex graph == eager on random mixes of sizes,
+#            DINOv2/DINOv3 graph == eager, the text graphs
 #   batch    benchmarks/batch.py --as-checkpoint (20,000 224x224 JPEGs)
 #   batch100k  the same with 100,000 JPEGs (start-up amortised)
 #   ckpt     export the qwen2.5-vl-7b preset to /tmp/ckpt-7b (replicas then load it instead of drawing weights)
@@ -75,7 +79,7 @@ for s in $steps; do
               --json "$OUT/util_$m.json" --markdown "$OUT/util_$m.md" > "$OUT/util_$m.log" 2>&1
           done ;;
     startup) timeout $(budget 240) python3 -m benchmarks.startup --model qwen2.5-vl-7b > "$OUT/startup.json" 2> "$OUT/startup.log" ;;
-    tests) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/attention/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/preprocessing/test_preprocess.py tests/unit/encoder/kernels/test_kernels.py tests/unit/encoder/models/test_clip_siglip_gpu.py tests/unit/encoder/models/test_siglip2_gpu.py tests/unit/workspace/test_text_graphs_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
+    tests) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/attention/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/preprocessing/test_preprocess.py tests/unit/encoder/kernels/test_kernels.py tests/unit/encoder/models/test_clip_siglip_gpu.py tests/unit/encoder/models/test_siglip2_gpu.py tests/unit/encoder/models/test_dino_gpu.py tests/unit/workspace/test_text_graphs_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
     attn) timeout $(budget 120) python3 -m benchmarks.attention --check > "$OUT/attention.md" 2>&1 ;;
     bench) timeout $(budget 400) python3 -m benchmarks.engine --json "$OUT/engine.json" --markdown "$OUT/engine_table.md" \
              > "$OUT/engine.md" 2>&1 ;;
@@ -115,6 +119,11 @@ for s in $steps; do
     profile) timeout $(budget 120) python3 -m benchmarks.profile_engine > "$OUT/profile.txt" 2>&1 ;;
     clip) timeout $(budget 150) python3 -m benchmarks.clip > "$OUT/clip.md" 2>&1 ;;
     text) timeout $(budget 150) python3 -m benchmarks.text --json "$OUT/text.json" > "$OUT/text.md" 2>&1 ;;
+    towers) timeout $(budget 200) python3 -m benchmarks.towers --json "$OUT/towers.json" > "$OUT/towers.log" 2>&1
+            grep -v "^{" "$OUT/towers.log" > "$OUT/towers.md" ;;
+    towertests) timeout $(budget 150) python3 -m pytest -q -m gpu tests/unit/encoder/models/test_siglip2_gpu.py \
+                  tests/unit/encoder/models/test_dino_gpu.py tests/unit/workspace/test_text_graphs_gpu.py \
+                  -p no:cacheprovider 2>&1 | tail -30 > "$OUT/tower_tests.txt" ;;
     batch) timeout $(budget 240) python3 -m benchmarks.batch --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \
              > "$OUT/batch.log" 2>&1 ;;
     batch100k) timeout $(budget 400) python3 -m benchmarks.batch --as-checkpoint --num-images 100000 \

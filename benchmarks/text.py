@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
 
-from benchmarks.common import require_cuda, timed, write_results
+from benchmarks.common import require_cuda, timed, wall_timed, write_results
 from encoder.api import init_random_weights
 from encoder.loading.presets import TEXT_PRESETS
 from encoder.models.text import build_text_tower
@@ -58,18 +57,6 @@ def token_batch(n: int, length: int, cfg, gen: torch.Generator) -> tuple[torch.T
     ids[:, 1 : length - 1] = torch.randint(0, vocab - 2, (n, length - 2), generator=gen)
     mask = (torch.arange(s) < length).long().expand(n, s).contiguous()
     return ids, mask
-
-
-def wall_timed(fn, iters: int, warmup: int = 1) -> float:
-    """Median milliseconds per call by the host clock (the CPU smoke run)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ MODULES = sorted(
 NO_CLI = {
     "benchmarks.common": "what the benchmarks share",
     "benchmarks.flops": "the FLOP counting the benchmarks import",
+    "benchmarks.hf_vision": "HF transformers' twins of our image towers, which clip.py and towers.py import",
     "benchmarks.load_gen": "service.py's load generator",
     "benchmarks.experiments.suite_cpu": "a pytest plugin",
     "benchmarks.experiments.suite_procs": "a pytest plugin; its __main__ is the sampler process (two paths)",
