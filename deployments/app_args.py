@@ -72,6 +72,12 @@ class ModelArgs(BaseModel):
         "norms, patch embedding and mergers stay bfloat16. CUDA GPUs of compute capability 8.9 or newer "
         "(Hopper/Ada), dtype bfloat16; each replica refuses elsewhere (encoder.load).",
     )
+    text: bool = Field(
+        True,
+        description="Serve texts where the model has a text tower with its tokenizer (CLIP, SigLIP2). False: images "
+        "only: replicas load no text weights and capture no text graphs, text requests are answered 400 "
+        "text_not_supported, /v1/models lists input_types ['image'].",
+    )
 
     @model_validator(mode="after")
     def _check_quantization(self) -> ModelArgs:

@@ -142,6 +142,16 @@ class RequestError(InvalidArgumentError):
         return self.error.code
 
 
+def text_off_error(model_name: str) -> RequestError:
+    """400 `text_not_supported` for text sent to an application that serves images only (`AppArgs.text` False),
+    whatever its model could do: the ingress and the replica say it alike."""
+    return RequestError(
+        f"text is off for this deployment: it serves the model {model_name!r} for images only (application "
+        "argument text=false)",
+        ErrorCode.TEXT_NOT_SUPPORTED, "input",
+    )  # fmt: skip
+
+
 # Errors of a call to an encoder replica that say the replica (or its node) went away, not that the request
 # was bad: the ingress retries these (encoding is idempotent); when retries run out they answer 503.
 UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (

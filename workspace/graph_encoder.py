@@ -3,7 +3,8 @@
 Its table is `workspace.tables.engine_table` of the model, the given `buckets` and the attention backend's
 `max_graph_tokens` (fixed-resolution towers: image-count tables; see that module). A model with text (CLIP,
 SigLIP2 with its tokenizer) also gets its text tower's graphs: `workspace.text_runner`, table
-`workspace.text_buckets`.
+`workspace.text_buckets`; `max_text_batch` is that table's largest batch, what callers size text batches by.
+`images=False` builds the text side only (a text job: no image graphs captured, image calls refused).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from encoder.api import VisionEncoder, l2_normalize, split_pooling
 from encoder.attention import describe_backend, graph_token_cap, missing_faster_backend
-from encoder.errors import InvalidArgumentError
+from encoder.errors import ConfigError, InvalidArgumentError
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
 from encoder.text_encoder import check_text_pooling, pool_text
@@ -89,11 +90,31 @@ class PendingLLM:
         ]
 
 
+class PendingText:
+    """`encode_text_ids` whose device work may still run; `result()` waits and pools per text."""
+
+    def __init__(self, host: torch.Tensor | None, event, pooling: str):
+        self._host, self._event, self._pooling = host, event, pooling
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> list[torch.Tensor]:
+        """Per text, one float32 CPU vector [out_dim], as `GraphEncoder.encode_text_ids`."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        return pool_text(self._host, self._pooling)
+
+
 class GraphEncoder:
     """Same `preprocess` / `encode` as `VisionEncoder`; captures every bucket at construction.
 
     `buckets`: a `BucketTable`, a spec `BucketTable.parse` accepts ("256,1024", "pow2:256-32768"),
     or None for the default table. On a machine without CUDA the same packing runs eagerly.
+    `images=False`: the text side only (a model with text): no image table, runner or graphs, and the image
+    calls (`encode`, `encode_llm` and their async forms) raise `ConfigError`.
     """
 
     def __init__(
@@ -105,18 +126,30 @@ class GraphEncoder:
         pad_mlp: int = 128,
         text_graphs: bool = True,
         text_buckets: TextTable | None = None,
+        images: bool = True,
     ):
         self.encoder = vision_encoder
-        tower = vision_encoder.model
-        if vision_encoder.device.type == "cuda":
-            # exact layout changes (zero-padded MLP width, fused GEMMs) built as new modules;
-            # the eager encoder shares the model and stays equal
-            tower.fuse(pad_mlp)
-        cap = graph_token_cap(tower.backends)
-        self.table = engine_table(shape_of_encoder(vision_encoder), buckets, cap)
-        self.runner = GraphRunner(tower, self.table, max_image_patches=max_image_patches(vision_encoder), debug=debug)
-        # the text tower's graphs (a model with text): captured now on CUDA into the image graphs' pool, unless
-        # `text_graphs=False` (then its buckets run eagerly); `text_buckets`: None for the default table
+        self.images = images
+        if not images and not vision_encoder.supports_text:
+            raise ConfigError(
+                f"GraphEncoder(images=False) builds the text side only, but model {vision_encoder.name!r} takes no "
+                "text (no text tower with its tokenizer)"
+            )
+        self.table = self.runner = None
+        if images:
+            tower = vision_encoder.model
+            if vision_encoder.device.type == "cuda":
+                # exact layout changes (zero-padded MLP width, fused GEMMs) built as new modules;
+                # the eager encoder shares the model and stays equal
+                tower.fuse(pad_mlp)
+            cap = graph_token_cap(tower.backends)
+            self.table = engine_table(shape_of_encoder(vision_encoder), buckets, cap)
+            self.runner = GraphRunner(
+                tower, self.table, max_image_patches=max_image_patches(vision_encoder), debug=debug
+            )
+        # the text tower's graphs (a model with text): captured now on CUDA into the image graphs' pool (a pool of
+        # their own when text-only), unless `text_graphs=False` (then its buckets run eagerly); `text_buckets`:
+        # None for the default table
         self.text_runner: TextGraphRunner | None = None
         if vision_encoder.supports_text:
             text_tower = vision_encoder.text.tower
@@ -124,9 +157,16 @@ class GraphEncoder:
                 text_buckets if text_buckets is not None else text_table(text_tower.seq_len, text_tower.prefix_exact)
             )
             use = None if text_graphs else False
-            self.text_runner = TextGraphRunner(
-                text_tower, table, use_graphs=use, pool=self.runner.pool, lock=self.runner.lock, debug=debug
+            pool, lock = (self.runner.pool, self.runner.lock) if self.runner is not None else (None, None)
+            self.text_runner = TextGraphRunner(text_tower, table, use_graphs=use, pool=pool, lock=lock, debug=debug)
+
+    def _image_runner(self) -> GraphRunner:
+        if self.runner is None:
+            raise ConfigError(
+                f"this GraphEncoder of {self.encoder.name!r} was built for text only (images=False): it has no image "
+                "graphs; build one with images=True to encode images"
             )
+        return self.runner
 
     @property
     def config(self):
@@ -163,13 +203,14 @@ class GraphEncoder:
         memory are queued on the current stream, and `result()` waits for them. So the host can prepare
         (upload, patchify, pack) the next batch while this one replays. Inputs are not needed after this
         returns; on a machine without CUDA the work is done here and `result()` only splits it."""
+        runner = self._image_runner()
         pooling = self.encoder.resolve_pooling(pooling)
         base, l2 = split_pooling(pooling)
         batch = images if isinstance(images, PatchBatch) else self.preprocess(images)
         if batch.num_images == 0:
             return PendingEncode(None, None, [], l2)
         self.encoder.check_batch(batch)
-        out = self.runner.run_all(batch.pixel_values, batch.grid_thw)
+        out = runner.run_all(batch.pixel_values, batch.grid_thw)
         if base == "model":
             flat, sizes = out.pooled, None
         elif base == "mean":
@@ -194,11 +235,12 @@ class GraphEncoder:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             shown = f"{type(dtype).__name__} {dtype!r}" if not isinstance(dtype, torch.dtype) else str(dtype)
             raise InvalidArgumentError(f"dtype must be a floating-point torch.dtype (torch.float32, ...), got {shown}")
+        runner = self._image_runner()
         batch = images if isinstance(images, PatchBatch) else self.preprocess(images)
         if batch.num_images == 0:
             return PendingLLM(None, None, [], 0, [])
         self.encoder.check_batch(batch)
-        out = self.runner.run_all(batch.pixel_values, batch.grid_thw)
+        out = runner.run_all(batch.pixel_values, batch.grid_thw)
         layers = len(out.deepstack[0])
         flat = torch.cat(out.tokens + [d[k] for k in range(layers) for d in out.deepstack]).to(dtype)
         host, event = to_host(flat)
@@ -209,6 +251,12 @@ class GraphEncoder:
     def supports_text(self) -> bool:
         """True when `encode_text` works (the wrapped `VisionEncoder`'s)."""
         return self.encoder.supports_text
+
+    @property
+    def max_text_batch(self) -> int | None:
+        """The most texts one text graph holds (its table's largest batch; more are run in chunks of it): what a
+        caller sizes its text batches by. None for a model without text."""
+        return self.text_runner.table.batches[-1] if self.text_runner is not None else None
 
     def text_tokens(self, texts: list[str]) -> list[int]:
         """Per text, its real (non-pad) tokens after truncation, special tokens included (`usage.prompt_tokens`)."""
@@ -229,13 +277,21 @@ class GraphEncoder:
     def encode_text_ids(self, ids: torch.Tensor, mask: torch.Tensor, pooling: str | None = None) -> list[torch.Tensor]:
         """`encode_text` of pre-tokenized texts: `ids` and `mask` [B, seq_len] int64, as the model's tokenizer
         writes them (`VisionEncoder.text.tokenize`). InvalidArgumentError naming `ids` / `mask` for a bad input."""
+        return self.encode_text_ids_async(ids, mask, pooling).result()
+
+    @torch.inference_mode()
+    def encode_text_ids_async(self, ids: torch.Tensor, mask: torch.Tensor, pooling: str | None = None) -> PendingText:
+        """`encode_text_ids` without waiting for the device (as `encode_async`): the replays and the copy of the
+        outputs to pinned host memory are queued, `result()` waits for them and pools. Inputs are checked here
+        (the same errors); they are not needed after this returns."""
         text = self.encoder.text_side()
         pooling = check_text_pooling(pooling)
         ids, mask = text.check_ids(ids, mask)
         if ids.shape[0] == 0:
-            return []
+            return PendingText(None, None, pooling)
         out = self.text_runner.run(ids, mask)  # [B, out_dim] float32, device
-        return pool_text(out.cpu(), pooling)
+        host, event = to_host(out)
+        return PendingText(host, event, pooling)
 
     def attention_hint(self) -> str | None:
         """A faster attention backend this GPU would run with `auto` but which is not installed, and how to
@@ -243,10 +299,10 @@ class GraphEncoder:
         return missing_faster_backend(self.encoder.model.backends, self.encoder.device)
 
     def stats(self) -> dict:
-        """The runner's counters, plus the attention backend of each layer kind (for `auto`: which
-        backend ran which graph shapes' segment bounds)."""
+        """The runner's counters (none when text-only), plus the attention backend of each layer kind (for `auto`:
+        which backend ran which graph shapes' segment bounds), and the text graphs' counters under "text"."""
         kinds = {kind: describe_backend(b) for kind, b in self.encoder.model.backends.items()}
-        out = {**self.runner.stats.as_dict(), "attention": kinds}
+        out = {**(self.runner.stats.as_dict() if self.runner is not None else {}), "attention": kinds}
         if self.text_runner is not None:  # the text graphs' counters, under their own key
             out["text"] = self.text_runner.stats.as_dict()
         return out

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from workspace.buckets import BucketError, _positive_int
 
-#: most texts one replay holds in the default table
+#: most texts one replay holds in the default table (on a CPU too, where its keys run eagerly): what replicas and
+#: batch jobs size text batches by (`default_text_batches`, `GraphEncoder.max_text_batch`)
 MAX_GRAPH_TEXTS = 256
 #: fewest columns of the default table's shorter graphs
 MIN_TEXT_COLUMNS = 8
@@ -95,6 +96,11 @@ class TextTable:
         return out
 
 
+def default_text_batches() -> tuple[int, ...]:
+    """The default table's batch sizes: 1, 2, 4, ..., `MAX_GRAPH_TEXTS` (any tower, any device)."""
+    return tuple(1 << i for i in range(MAX_GRAPH_TEXTS.bit_length()) if 1 << i <= MAX_GRAPH_TEXTS)
+
+
 def text_table(seq_len: int, prefix_exact: bool, batches=None, seqs=None) -> TextTable:
     """The text graphs of a tower of `seq_len` columns (see the module docstring). `batches`: batch sizes (None:
     1, 2, 4, ..., `MAX_GRAPH_TEXTS`); `seqs`: column counts (None: `seq_len`, and for a `prefix_exact` tower the
@@ -102,7 +108,7 @@ def text_table(seq_len: int, prefix_exact: bool, batches=None, seqs=None) -> Tex
     are refused: its outputs would change."""
     seq_len = _positive_int(seq_len, "seq_len")
     if batches is None:
-        batches = [1 << i for i in range(MAX_GRAPH_TEXTS.bit_length()) if 1 << i <= MAX_GRAPH_TEXTS]
+        batches = default_text_batches()
     if seqs is None:
         shorter = [1 << i for i in range(seq_len.bit_length()) if MIN_TEXT_COLUMNS <= 1 << i < seq_len]
         seqs = [*shorter, seq_len] if prefix_exact else [seq_len]

@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         "--batch-size",
         type=_positive,
         default=None,
-        help="rows per encoder batch (default: ~2 actor batches of patches at the sampled image size)",
+        help="rows per encoder batch (default: ~2 actor batches of patches at the sampled image size; with "
+        "--text-column, the texts one text graph holds)",
     )
     p.add_argument(
         "--part-rows",

@@ -52,7 +52,7 @@ from deployments.batch.model_facts import (
 from deployments.batch.options import JobConfig
 from deployments.batch.pipeline import embed_dataset
 from deployments.batch.reaper import start_reaper
-from deployments.batch.texts import TEXT_ROWS_PER_BATCH, check_text_model, check_text_schema, text_pooling
+from deployments.batch.texts import check_text_model, check_text_schema, text_pooling, text_rows_per_batch
 from deployments.preflight import ray_address
 from deployments.vllm_handoff import check_vllm_model
 from encoder.errors import InvalidArgumentError, RandomWeightsWarning
@@ -339,7 +339,7 @@ class PartsRunner:
         gpus = available if cfg.num_gpus is None else cfg.num_gpus
         batch_size = cfg.batch_size
         if batch_size is None and cfg.text_column is not None:
-            batch_size = TEXT_ROWS_PER_BATCH
+            batch_size = text_rows_per_batch()
         if batch_size is None:
             values, typ = head_values(self.files[todo[0].file], cfg.image_column)
             pp = preprocess_config_for(cfg.model)

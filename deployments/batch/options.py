@@ -32,7 +32,12 @@ class EmbedOptions(BaseModel):
     )
     # None, as the CLI and the HTTP API default: the model's own embedding ('model' for CLIP / SigLIP, else 'mean')
     pooling: str | None = Field(None, description="None: the model's default embedding ('model' for CLIP / SigLIP).")
-    batch_size: int | None = Field(None, ge=1, description="Rows per encoder batch; None: from the typical patches.")
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Rows per encoder batch; None: from the typical patches (a text job: the texts one "
+        "text graph of the actors holds, `texts.text_rows_per_batch`).",
+    )
     typical_patches: int | None = Field(None, ge=1, description="Patches of a typical image; None: sampled.")
     num_gpus: int | None = Field(None, ge=0, description="GPU encoder actors, one GPU each; None: every GPU.")
     num_actors: int | None = Field(None, ge=1, description="CPU encoder actors when there are no GPUs (1).")

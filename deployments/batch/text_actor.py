@@ -1,7 +1,8 @@
 """The encode stage of a text job: `TextEncoderActor`, a Ray Data callable class (one per GPU, or CPU worker).
 
 It loads the model with its text side (`encoder.load`: a checkpoint with a text tower and its tokenizer) into a
-`workspace.GraphEncoder`, tokenizes each batch's texts with the model's tokenizer (cut to the tower's length as
+text-only `workspace.GraphEncoder` (`images=False`: the text graphs alone are captured, none of the image
+buckets it never replays), tokenizes each batch's texts with the model's tokenizer (cut to the tower's length as
 the tokenizer does) and adds the `embedding` column; null and empty texts are error rows
 (`text_row_error`). Layout: as an image job's vectors (`deployments.batch.columns`).
 """
@@ -11,17 +12,14 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 import encoder
 from deployments.batch.columns import EMBEDDING, ERROR, fixed_size_list
-from encoder.attention import graph_token_cap
 from encoder.errors import InvalidArgumentError
 from workspace.graph_encoder import GraphEncoder
-from workspace.tables import process_plan, shape_of_encoder
 
 
 def text_row_error(value) -> str | None:
@@ -41,26 +39,30 @@ class TextEncoderActor:
         model: str,
         text_column: str,
         pooling: str = "model",
-        buckets: Any = None,
         dtype: str | None = None,
         attention: str | None = None,
         quantization: str | None = None,
+        expected_text_batch: int | None = None,
     ):
         start = time.perf_counter()
         warnings.filterwarnings("ignore", category=encoder.RandomWeightsWarning)  # as the image actors
         self.vision = encoder.load(model, dtype=dtype, attention=attention, quantization=quantization)
         if not self.vision.supports_text:
             raise InvalidArgumentError(f"model {model!r} takes no text (no text tower with its tokenizer files)")
-        plan = process_plan(
-            shape_of_encoder(self.vision), self.vision.device.type, buckets,
-            max_graph_tokens=graph_token_cap(self.vision.model.backends),
-        )  # fmt: skip
-        self.engine = GraphEncoder(self.vision, plan.table)
+        self.engine = GraphEncoder(self.vision, images=False)  # the text graphs only
+        if expected_text_batch is not None and self.engine.max_text_batch != expected_text_batch:
+            raise InvalidArgumentError(
+                f"the driver sized text batches for {expected_text_batch} texts a graph, but this actor's engine holds "
+                f"{self.engine.max_text_batch} (driver/actor drift)"
+            )
         self.text_column, self.pooling = text_column, pooling
         self.dim = self.vision.text.config.out_dim
+        stats = self.engine.stats()["text"]
         print(
             f"[deployments.batch] text encoder {self.vision.name} on {self.vision.device} ({self.vision.dtype}): "
-            f"{self.vision.text.config.seq_len} tokens per text, ready in {time.perf_counter() - start:.1f} s",
+            f"{self.vision.text.config.seq_len} tokens per text, up to {self.engine.max_text_batch} texts a graph, "
+            f"{stats['captures']} text graphs captured in {stats['capture_seconds']:.1f} s, "
+            f"ready in {time.perf_counter() - start:.1f} s",
             file=sys.stderr,
             flush=True,
         )

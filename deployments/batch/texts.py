@@ -3,8 +3,9 @@
 A text job embeds a string column with the model's text tower (CLIP, SigLIP2 with their tokenizer files) into
 the images' embedding space: the same parts, manifest and resume as an image job, and the same output layout
 (every input column but the embedded one, then `embedding` and `error`). There is no decode stage: rows go to
-the text encoder actors (`deployments.batch.text_actor.TextEncoderActor`), `TEXT_ROWS_PER_BATCH` at a time;
-a null or empty text is an error row (its `error` column), as a bad image is (`text_actor.text_row_error`).
+the text encoder actors (`deployments.batch.text_actor.TextEncoderActor`), `text_rows_per_batch()` at a time
+(the largest text graph of the actors' engines, which each actor checks against its own); a null or empty text
+is an error row (its `error` column), as a bad image is (`text_actor.text_row_error`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ import pyarrow as pa
 from deployments.batch.columns import INTERNAL, OUTPUT_COLUMNS
 from deployments.batch.model_facts import resolved
 from encoder.errors import InvalidArgumentError
+from workspace.text_buckets import default_text_batches
 
-# Rows per text encoder batch (the text tower runs [texts, seq_len] at the model's fixed length)
-TEXT_ROWS_PER_BATCH = 256
+
+def text_rows_per_batch() -> int:
+    """Rows per text encoder batch when not given: the most texts one text graph of the actors' engines holds
+    (`GraphEncoder.max_text_batch` of the default text table, on every device; the text tower runs [texts,
+    seq_len] at the model's fixed length). Known on the driver without loading the model."""
+    return default_text_batches()[-1]
 
 
 def is_text_type(typ: pa.DataType) -> bool:
@@ -74,7 +80,7 @@ def embed_texts(ds, options, pooling: str, gpus: int):
     from deployments.batch.text_actor import TextEncoderActor
 
     o = options
-    batch_size = o.batch_size or TEXT_ROWS_PER_BATCH
+    batch_size = o.batch_size or text_rows_per_batch()
     ds = ds.repartition(target_num_rows_per_block=batch_size, strict=True)
     actors = max(1, gpus) if gpus > 0 else max(1, int(o.num_actors or 1))
     with warnings.catch_warnings():
@@ -87,10 +93,10 @@ def embed_texts(ds, options, pooling: str, gpus: int):
                 "model": o.model,
                 "text_column": o.text_column,
                 "pooling": pooling,
-                "buckets": o.buckets,
                 "dtype": o.dtype,
                 "attention": o.attention,
                 "quantization": o.quantization,
+                "expected_text_batch": text_rows_per_batch(),
             },
             compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=2),
             num_gpus=1 if gpus > 0 else 0,

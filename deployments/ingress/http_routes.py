@@ -218,7 +218,10 @@ class HttpRoutes:
 
     async def _input_types(self) -> list[str] | None:
         """What `input` items the served model takes: ["image"] or ["image", "text"]; None while no encoder
-        replica has answered `describe()` (within a few seconds: the listing does not wait for start-up)."""
+        replica has answered `describe()` (within a few seconds: the listing does not wait for start-up).
+        ["image"] at once when the application serves images only (`text=false`)."""
+        if not self.args.text:
+            return ["image"]
         try:
             info = await asyncio.wait_for(asyncio.shield(self._client.info()), _MODELS_INFO_WAIT_S)
         except Exception:  # noqa: BLE001 - not started, unavailable: the listing goes without the field

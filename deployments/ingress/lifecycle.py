@@ -29,7 +29,7 @@ from typing import TypeVar
 
 from deployments.aio import gather_or_cancel
 from deployments.config import AppArgs
-from deployments.errors import DISCONNECTED, OK, OVERLOADED, ErrorCode, RequestError
+from deployments.errors import DISCONNECTED, OK, OVERLOADED, ErrorCode, RequestError, text_off_error
 from deployments.ingress.decoding import IngressDecoder
 from deployments.ingress.encoder_calls import EncoderClient
 from deployments.ingress.limits import Admission, Ticket
@@ -69,8 +69,11 @@ class EmbedOrder:
         return lambda i: f"{self.label}[{positions[i]}]"
 
 
-def text_info(info: dict, model_name: str, what: str = "text") -> dict:
-    """The encoder's text facts (`describe()["text"]`), or 400 `text_not_supported` when the model has none."""
+def text_info(info: dict, model_name: str, what: str = "text", enabled: bool = True) -> dict:
+    """The encoder's text facts (`describe()["text"]`), or 400 `text_not_supported` when the model has none or
+    the application serves images only (`enabled` False: `AppArgs.text`)."""
+    if not enabled:
+        raise text_off_error(model_name)
     text = info.get("text")
     if text is None:
         raise RequestError(
@@ -213,7 +216,7 @@ class Lifecycle:
         info = await self._client.info()
         if order.layout == "vllm":
             check_vllm_order(order, info, self.args.model_name)
-        text = text_info(info, self.args.model_name) if order.texts else None
+        text = text_info(info, self.args.model_name, enabled=self.args.text) if order.texts else None
         flight.decode_at = decode_at = time.perf_counter()
         reserve = partial(self._admission.reserve_patches, flight.ticket)
         images = None

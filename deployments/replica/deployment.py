@@ -29,7 +29,7 @@ import numpy as np
 from ray import serve
 
 from deployments.config import AppArgs, replica_plan, resolve_device, resolve_num_gpus
-from deployments.errors import ErrorCode, RequestError
+from deployments.errors import ErrorCode, RequestError, text_off_error
 from deployments.llm_outputs import WireLLM, check_dtype
 from deployments.metrics import ReplicaMetrics
 from deployments.routing.stats import BucketRoutingStats
@@ -54,9 +54,12 @@ def precision(vision) -> str:
     return f"{dtype} with {vision.quantization} block linears" if vision.quantization else dtype
 
 
-def startup_summary(vision, plan, stats: dict, seconds: float, pipeline: DevicePipeline) -> str:
+def startup_summary(
+    vision, plan, stats: dict, seconds: float, pipeline: DevicePipeline, text_enabled: bool = True
+) -> str:
     """The replica's one start-up line: model and where its weights came from, device, dtype (and FP8 when
-    asked for), attention per layer kind, buckets, capture time and memory, batch limits."""
+    asked for), attention per layer kind, buckets, capture time and memory, batch limits, the text side (or why
+    there is none: `text_enabled` False is the application's `text=false`)."""
     info = vision.model_info()
     weights = "RANDOM weights (preset)" if info["random_weights"] else f"weights from {info['kind']} {info.get('path')}"
     attention = ", ".join(f"{kind}={backend}" for kind, backend in stats["attention"].items())
@@ -66,6 +69,8 @@ def startup_summary(vision, plan, stats: dict, seconds: float, pipeline: DeviceP
     text = (
         f"text {pipeline.text_seq_len} tokens, up to {pipeline.max_batch_texts} texts a batch"
         if pipeline.text_seq_len
+        else "images only (text=false)"
+        if not text_enabled
         else "images only (no text tower with its tokenizer)"
     )
     return (
@@ -109,7 +114,8 @@ class EncoderReplica:
         warnings.filterwarnings("ignore", category=encoder.RandomWeightsWarning)
         vision = encoder.load(
             a.model, device=self.device_name, dtype=a.dtype, attention=a.attention, seed=a.seed,
-            quantization=a.quantization,  # and the text tower, where the model has one with its tokenizer
+            quantization=a.quantization,
+            text=a.text,  # the text tower, where the model has one with its tokenizer, unless text is off
         )  # fmt: skip
         self.pp = vision.preprocess_config
         plan = replica_plan(a, vision, self.device_name)
@@ -141,7 +147,7 @@ class EncoderReplica:
         self.metrics.captured.set(stats["captures"])
         self.ready = True
         stats["attention_hint"] = self.engine.attention_hint()
-        logger.info("%s", startup_summary(vision, plan, stats, time.perf_counter() - start, self.pipeline))
+        logger.info("%s", startup_summary(vision, plan, stats, time.perf_counter() - start, self.pipeline, a.text))
 
     # -- the request methods -----------------------------------------------------------------------------
     async def encode_pixels(
@@ -204,11 +210,14 @@ class EncoderReplica:
         (None) or "model-l2". Texts are tokenized here, in the device thread, as the model's tokenizer does
         (`replica.pipeline`): an over-long text is cut to the tower's length. `num_tokens` (texts x that
         length) and `num_texts` are what routers read; when given they must match. `deadline` as
-        `encode_pixels`. 400 `text_not_supported` (a `RequestError`) when the model has no text tower."""
+        `encode_pixels`. 400 `text_not_supported` (a `RequestError`) when the model has no text tower or the
+        application serves images only (`text=false`)."""
         from encoder.text_encoder import check_text_pooling
 
         entered = time.perf_counter()
         seq_len = self.pipeline.text_seq_len
+        if not seq_len and not self.args.text:
+            raise text_off_error(self.args.model_name)
         if not seq_len:
             raise RequestError(
                 f"model {self.engine.encoder.name!r} takes no text: text needs an image-text checkpoint (CLIP, "

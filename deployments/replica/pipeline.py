@@ -13,11 +13,13 @@ every batch.
 
 Texts (`wire.TextRequest`, models with a text tower) queue in a batcher of their own, never in an image batch:
 their size is tokens (every text runs at the tower's fixed length, `text_seq_len`), at most `max_batch_texts` a
-batch. They are tokenized here, in the device thread, with the model's own tokenizer: the replica holds it with
-the text weights (a Hub checkpoint's tokenizer files are on the replica's node, not the ingress's), and the
-tokenizer (Rust, `tokenizers`) costs microseconds per text beside the tower. The ingress therefore sizes a text
-by the tower's length, not its real tokens; the real count (the attention mask) comes back with each vector for
-`usage.prompt_tokens`.
+batch (the engine's `GraphEncoder.max_text_batch`: its largest text graph). They are tokenized here, in the device
+thread, with the model's own tokenizer: the replica holds it with the text weights (a Hub checkpoint's tokenizer
+files are on the replica's node, not the ingress's), and the tokenizer (Rust, `tokenizers`) costs microseconds per
+text beside the tower. The ingress therefore sizes a text by the tower's length, not its real tokens; the real
+count (the attention mask) comes back with each vector for `usage.prompt_tokens`. A text batch is queued as an
+image batch is (`GraphEncoder.encode_text_ids_async`), so the device thread prepares the next batch while its
+graphs replay.
 """
 
 from __future__ import annotations
@@ -42,15 +44,13 @@ from encoder.patchify import stack_patchify
 from encoder.preprocessing.config import ProcessorConfig
 from workspace import GraphEncoder
 from workspace.buckets import BucketTable
+from workspace.graph_encoder import PendingText
 from workspace.tables import BucketPlan
 
 # Wall clocks of the ingress and encoder hosts may differ a little: the encoder drops work only this long
 # after its deadline (the ingress has cancelled it by then anyway; this is the backstop for a lost cancel
 # or a caller that died).
 _DEADLINE_GRACE_S = 1.0
-# Texts in one text batch (the text tower runs [texts, seq_len]); a request of more runs alone, the engine
-# taking it whole.
-MAX_BATCH_TEXTS = 256
 
 
 _TEXT = "text"  # the queue label of text requests (in no image bucket)
@@ -132,10 +132,11 @@ class DevicePipeline:
     ):
         self.engine, self.pp, self.device = engine, engine.encoder.preprocess_config, engine.device
         self.max_batch_patches, self.max_batch_images = plan.max_batch_patches, plan.max_batch_images
-        # the text side: its fixed length (0: the model takes no text) and batch limit
+        # the text side: its fixed length (0: the model takes no text) and batch limit, the most texts one of the
+        # engine's text graphs holds (a request of more runs alone, the engine taking it in chunks of that)
         text = engine.encoder.text if engine.supports_text else None
         self.text_seq_len = text.config.seq_len if text is not None else 0
-        self.max_batch_texts = MAX_BATCH_TEXTS if text is not None else 0
+        self.max_batch_texts = engine.max_text_batch or 0
         self.pipeline_depth = pipeline_depth
         self.metrics = metrics
         self.fatal: BaseException | None = None
@@ -307,8 +308,8 @@ class DevicePipeline:
             out: list[list | None] = [None] * len(works)
             for g, p in pending:
                 if isinstance(g.merged, TextRequest):
-                    vectors, tokens = p
-                    outputs = [(v.numpy(), n) for v, n in zip(vectors, tokens, strict=True)]
+                    text_pending, tokens = p
+                    outputs = [(v.numpy(), n) for v, n in zip(text_pending.result(), tokens, strict=True)]
                 elif g.merged.llm is None:
                     outputs = [v.numpy() for v in p.result()]
                 else:  # numpy views of the host buffer, already in the wire dtype (no copy)
@@ -318,12 +319,13 @@ class DevicePipeline:
 
         return finish, time.perf_counter() - started, engine_delta(before, self.engine.stats())
 
-    def _launch_texts(self, work: TextRequest) -> tuple[list[torch.Tensor], list[int]]:
-        """Device thread: tokenize (the model's tokenizer: padded and cut to the tower's length) and run the text
-        tower; per text its vector and its real tokens (the attention mask's ones)."""
+    def _launch_texts(self, work: TextRequest) -> tuple[PendingText, list[int]]:
+        """Device thread: tokenize (the model's tokenizer: padded and cut to the tower's length) and queue the text
+        tower's replays; the pending vectors (`result()` in the results thread) and per text its real tokens (the
+        attention mask's ones)."""
         ids, mask = self.engine.encoder.text_side().tokenize(work.texts)
         tokens = mask.sum(1).tolist()
-        return self.engine.encode_text_ids(ids, mask, work.pooling), tokens
+        return self.engine.encode_text_ids_async(ids, mask, work.pooling), tokens
 
     def shutdown(self) -> None:
         """Let the batch running in the device thread finish rather than tear the engine down under it."""

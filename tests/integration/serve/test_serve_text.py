@@ -140,3 +140,35 @@ def test_concurrent_text_and_image_handle_calls_each_get_their_own(app, ref):
         close(call.result()[0], want.numpy())
     for call, want in zip(image_calls, ref.encode(images), strict=True):
         close(call.result()[0], want.numpy())
+
+
+def test_text_off_serves_the_same_model_for_images_only(ray_cluster, clip_dir, ref):
+    """`text=false`: a text-capable checkpoint served for images only. Its replicas load no text side
+    (`describe()["text"]` None), /v1/models lists images only, a text item or `embed_text` is 400
+    `text_not_supported` saying text is off, images are answered with the model's own embeddings."""
+    from ray import serve
+
+    from deployments import build_app
+    from deployments.config import ENCODER_NAME
+    from deployments.errors import RequestError
+
+    args = {"model": str(clip_dir), "num_replicas": 1, "dtype": "float32", "text": False}
+    with running_app(build_app(args), name="text-off", route_prefix="/text-off") as svc:
+        encoder_handle = serve.get_deployment_handle(ENCODER_NAME, app_name=svc.name)
+        assert encoder_handle.describe.remote().result()["text"] is None
+        image = encode(random_image("RGB", 48, 64, seed=3), "PNG")
+        base_url = svc.base_url + "/text-off"
+        with httpx.Client(base_url=base_url, timeout=120) as client:
+            (model,) = client.get("/v1/models").json()["data"]
+            assert model["input_types"] == ["image"]
+            r = client.post("/v1/embeddings", json={"input": [{"text": TEXTS[0]}, {"image": data_url(image)}]})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["code"], error["param"]) == ("text_not_supported", "input")
+            assert "text is off for this deployment" in error["message"], error
+            r = client.post("/v1/embeddings", json={"input": [data_url(image)], "encoding_format": "float"})
+            assert r.status_code == 200, r.text
+        close(r.json()["data"][0]["embedding"], ref.encode([image])[0].numpy())
+        with pytest.raises(RequestError, match="text is off for this deployment") as info:
+            svc.handle.embed_text.remote(TEXTS[:1]).result()
+        assert info.value.code == "text_not_supported"

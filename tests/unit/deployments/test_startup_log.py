@@ -31,3 +31,5 @@ def test_startup_summary_names_model_weights_device_attention_buckets_and_captur
         vision, plan, stats, 2.25, SimpleNamespace(pipeline_depth=1, text_seq_len=77, max_batch_texts=256)
     )
     assert "(1 in flight); text 77 tokens, up to 256 texts a batch; started in 2.2s" in text
+    off = startup_summary(vision, plan, stats, 2.25, pipeline, text_enabled=False)  # the application's text=false
+    assert "(1 in flight); images only (text=false); started in 2.2s" in off

@@ -1,6 +1,7 @@
 """`GraphEncoder`'s text side on the CPU (the text buckets, run eagerly) against `VisionEncoder.encode_text`, for
 tiny CLIP and SigLIP2 checkpoints: chunks, shorter graphs (CLIP), eager fallback, padding rows; the text table;
-token counts; errors. Graph replay on the GPU: `test_text_graphs_gpu.py`."""
+token counts; errors; `max_text_batch`, text-only engines (`images=False`), `encode_text_ids_async`. Graph replay
+on the GPU: `test_text_graphs_gpu.py`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from encoder import InvalidArgumentError
 from tests.graph_cases import rel_err
 from tests.text_checkpoints import write_clip, write_siglip
 from workspace.buckets import BucketError
-from workspace.text_buckets import TextKey, TextTable, text_table
+from workspace.text_buckets import MAX_GRAPH_TEXTS, TextKey, TextTable, default_text_batches, text_table
 
 TEXTS = ["a photo of a cat", "A PHOTO of a Cat!", "Ünïcode façade — naïve 東京", "cat " * 40, "x", "two\nlines"]
 
@@ -251,3 +252,58 @@ def test_text_runner_refuses_what_does_not_fit(pair):
     if not tower.prefix_exact:
         with pytest.raises(GraphCaptureError, match="do not suit a tower"):
             TextGraphRunner(tower, TextTable((1,), (8, tower.seq_len)))
+
+
+# -- the engine's text batch, text-only engines, the async text path ----------------------------------------
+def test_max_text_batch_is_the_text_tables_largest_batch(pair, tmp_path):
+    enc, graph = pair
+    assert graph.max_text_batch == max(default_text_batches()) == MAX_GRAPH_TEXTS
+    assert graph.max_text_batch == graph.text_runner.table.batches[-1]
+    assert graph_with(enc, (1, 2, 4), (enc.text.config.seq_len,)).max_text_batch == 4
+    write_clip(tmp_path, with_tokenizer=False)  # images only
+    vision_only = encoder.load(tmp_path, device="cpu", dtype="float32")
+    assert workspace.GraphEncoder(vision_only, buckets="64").max_text_batch is None
+
+
+def test_a_text_only_engine_has_no_image_side_and_equal_text_outputs(pair, tmp_path):
+    """`images=False`: no image table, runner or graphs; texts as the full engine (and the eager encoder) embeds
+    them; every image call is a clear ConfigError; a model without text is refused."""
+    from encoder.errors import ConfigError
+
+    enc, full = pair
+    graph = workspace.GraphEncoder(enc, images=False)
+    assert graph.runner is None and graph.table is None and not graph.images
+    assert graph.supports_text and graph.max_text_batch == full.max_text_batch
+    assert_same(graph.encode_text(TEXTS), enc.encode_text(TEXTS))
+    assert_same(graph.encode_text(TEXTS, pooling="model-l2"), full.encode_text(TEXTS, pooling="model-l2"), 0.0)
+    stats = graph.stats()
+    assert stats["text"]["texts"] == 2 * len(TEXTS) and "captures" not in stats and "attention" in stats
+    image = torch.zeros(56, 56, 3, dtype=torch.uint8)
+    batch = graph.preprocess([image.numpy()])  # preprocessing is the CPU's: still there
+    calls = (lambda: graph.encode(batch), lambda: graph.encode_async(batch), lambda: graph.encode_llm(batch),
+             lambda: graph.encode_llm_async(batch), lambda: graph.encode([image.numpy()], pooling="model"))  # fmt: skip
+    for call in calls:
+        with pytest.raises(ConfigError, match=r"built for text only \(images=False\): it has no image graphs"):
+            call()
+    write_clip(tmp_path, with_tokenizer=False)
+    vision_only = encoder.load(tmp_path, device="cpu", dtype="float32")
+    with pytest.raises(ConfigError, match="builds the text side only, but model .* takes no text"):
+        workspace.GraphEncoder(vision_only, images=False)
+
+
+def test_encode_text_ids_async_equals_the_sync_path(pair):
+    enc, graph = pair
+    ids, mask = enc.text.tokenize(TEXTS)
+    for pooling in (None, "model", "model-l2"):
+        pending = graph.encode_text_ids_async(ids, mask, pooling)
+        assert_same(pending.result(), graph.encode_text_ids(ids, mask, pooling), 0.0)
+        assert pending.done()  # on the CPU the work was done in the call
+    assert_same(graph.encode_text_ids_async(ids, mask).result(), enc.encode_text(TEXTS))
+    empty = graph.encode_text_ids_async(ids[:0], mask[:0])
+    assert empty.done() and empty.result() == []
+    with pytest.raises(InvalidArgumentError, match="text pooling"):  # checked in the call, not at result()
+        graph.encode_text_ids_async(ids, mask, "mean")
+    bad = mask.clone()
+    bad[0] = 0
+    with pytest.raises(InvalidArgumentError, match=r"mask\[0\] has no token"):
+        graph.encode_text_ids_async(ids, bad)

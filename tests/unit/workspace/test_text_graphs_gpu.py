@@ -1,6 +1,6 @@
 """The text graphs on the GPU (tiny CLIP and SigLIP2 checkpoints): replay == the eager text encoder on random
 batches of random texts at several batch sizes, with the static outputs poisoned before every call; image and text
-graphs interleaved in their shared pool; `text_graphs=False`."""
+graphs interleaved in their shared pool; `text_graphs=False`; a text-only engine (`images=False`) and the async path."""
 
 from __future__ import annotations
 
@@ -109,3 +109,23 @@ def test_text_graphs_can_be_skipped(checkpoint):
     texts = random_texts(9, random.Random(3))
     got, want = torch.stack(graph.encode_text(texts)), torch.stack(enc.encode_text(texts))
     assert rel_err(got, want) <= 1e-5
+
+
+def test_a_text_only_engine_captures_the_text_graphs_alone(pair):
+    """`images=False`: the text table's graphs in a pool of their own, no image graphs; equal to the eager
+    encoder as the full engine is; async results bit-equal to the sync ones, the static outputs poisoned between
+    the call and its result (the pending copy was queued before)."""
+    enc, full = pair
+    graph = workspace.GraphEncoder(enc, images=False, debug=True)
+    runner = graph.text_runner
+    assert graph.runner is None and runner.pool is not None and runner.pool is not full.runner.pool
+    assert runner.use_graphs and len(runner.graphs) == len(runner.table) == runner.stats.captures
+    assert "captures" not in graph.stats()  # no image counters: nothing captured for images
+    texts = random_texts(37, random.Random(5))
+    tol = 1e-4 if enc.dtype == torch.float32 else 2e-2  # as test_replay_equals_eager_on_random_texts
+    want = graph.encode_text(texts)
+    assert rel_err(torch.stack(want), torch.stack(enc.encode_text(texts))) <= tol
+    ids, mask = enc.text.tokenize(texts)
+    pending = graph.encode_text_ids_async(ids, mask)
+    poison(graph)
+    assert all(torch.equal(a, b) for a, b in zip(pending.result(), want, strict=True))

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import orjson
 import pytest
+from starlette.requests import Request
 
 from deployments.config import AppArgs
 from deployments.errors import RequestError
@@ -100,6 +102,45 @@ def test_text_on_a_model_without_a_text_tower_is_text_not_supported():
         error_of(status, answer, 400, "text_not_supported", "input")
         assert "takes no text" in answer["error"]["message"]
     assert post(routes(TextClient(text=False)), {"input": ["img"]})[0] == 200  # images as before
+
+
+def test_text_off_for_the_deployment_is_text_not_supported_saying_so():
+    """`text=false`: a text request is 400 `text_not_supported` saying text is off (not that the model lacks it),
+    before any encoder call, even where the replica could take text; images are served; /v1/models lists images
+    only, without asking the encoder."""
+    client = TextClient()  # an encoder that would take text
+    for body in ({"input": [{"text": "a cat"}, "img"]}, {"input": "a cat", "input_type": "text"}):
+        status, answer = post(routes(client, text=False), body)
+        error_of(status, answer, 400, "text_not_supported", "input")
+        assert answer["error"]["message"] == (
+            "text is off for this deployment: it serves the model 'tiny' for images only (application argument "
+            "text=false)"
+        )
+    assert client.text_calls == []
+    status, body = post(routes(client, text="false"), {"input": ["img"]})  # `serve run ... text=false`
+    assert status == 200 and vectors(body) == [1000.0]
+    with pytest.raises(RequestError, match="text is off for this deployment") as info:
+        asyncio.run(HandleCalls(AppArgs(text=False), client, FakeDecoder(), Admission(4), IngressTelemetry())
+                    .text(["a"], None))  # fmt: skip
+    assert info.value.code == "text_not_supported" and client.text_calls == []
+
+    class Unasked(TextClient):
+        async def info(self) -> dict:
+            raise AssertionError("the listing asked the encoder")
+
+    request = Request({"type": "http", "method": "GET", "path": "/v1/models", "headers": []})
+    listed = orjson.loads(asyncio.run(routes(Unasked(), text=False).models(request)).body)
+    assert listed["data"][0]["input_types"] == ["image"]
+    listed = orjson.loads(asyncio.run(routes(client).models(request)).body)
+    assert listed["data"][0]["input_types"] == ["image", "text"]
+
+
+def test_the_text_argument_is_a_bool():
+    assert AppArgs().text is True and AppArgs(text="off").text is False and AppArgs(model={"text": 0}).text is False
+    with pytest.raises(ValueError, match="text"):
+        AppArgs(text="maybe")
+    with pytest.raises(ValueError, match="text"):
+        AppArgs(model={"text": "sometimes"})
 
 
 def test_text_pooling_is_model_or_model_l2_and_an_image_only_pooling_is_a_clear_400():
