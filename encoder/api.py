@@ -494,13 +494,13 @@ def video_config_for(config: VisionConfig, directory: Path | None = None) -> Vid
     raw, source = found
     try:
         vc = VideoPreprocessConfig.from_hf_dict(raw, kind)
-        check_patches_match(vc, config)
+        check_patches_match(vc, config, "video")
         return vc
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 
 
-def check_patches_match(pp: PreprocessConfig | VideoPreprocessConfig, config: VisionConfig) -> None:
+def check_patches_match(pp: PreprocessConfig | VideoPreprocessConfig, config: VisionConfig, what: str = "image") -> None:
     """A Qwen image processor cuts the patches the model embeds and merges: its sizes must be the model's
     (a file that leaves one out gets transformers' Qwen2-VL default, 14, which a patch-16 model cannot
     take; transformers' own model would fail at its first image)."""
@@ -509,7 +509,6 @@ def check_patches_match(pp: PreprocessConfig | VideoPreprocessConfig, config: Vi
              ("merge_size", pp.merge_size, config.spatial_merge_size)]  # fmt: skip
     wrong = [f"{name} {ours} (the model's is {theirs})" for name, ours, theirs in pairs if ours != theirs]
     if wrong:
-        what = "video" if isinstance(pp, VideoPreprocessConfig) else "image"
         raise ConfigError(f"the {what} processor does not fit the model: {', '.join(wrong)}")
 
 
