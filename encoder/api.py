@@ -500,7 +500,7 @@ def video_config_for(config: VisionConfig, directory: Path | None = None) -> Vid
         raise ConfigError(f"{source}: {exc}") from None
 
 
-def check_patches_match(pp: PreprocessConfig | VideoPreprocessConfig, config: VisionConfig, what: str = "image") -> None:
+def check_patches_match(pp, config: VisionConfig, what: str = "image") -> None:
     """A Qwen image processor cuts the patches the model embeds and merges: its sizes must be the model's
     (a file that leaves one out gets transformers' Qwen2-VL default, 14, which a patch-16 model cannot
     take; transformers' own model would fail at its first image)."""
