@@ -501,8 +501,8 @@ def video_config_for(config: VisionConfig, directory: Path | None = None) -> Vid
 
 
 def check_patches_match(pp, config: VisionConfig, what: str = "image") -> None:
-    """A Qwen image processor cuts the patches the model embeds and merges: its sizes must be the model's
-    (a file that leaves one out gets transformers' Qwen2-VL default, 14, which a patch-16 model cannot
+    """A Qwen image (or video: `what`) processor cuts the patches the model embeds and merges: its sizes must be
+    the model's (a file that leaves one out gets transformers' Qwen2-VL default, 14, which a patch-16 model cannot
     take; transformers' own model would fail at its first image)."""
     pairs = [("patch_size", pp.patch_size, config.patch_size),
              ("temporal_patch_size", pp.temporal_patch_size, config.temporal_patch_size),
