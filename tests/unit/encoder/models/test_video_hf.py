@@ -91,6 +91,7 @@ def test_video_tokens_and_deepstack_equal_hf_get_video_features(checkpoint, vide
         torch.testing.assert_close(m, out.tokens.mean(0))
 
 
+@pytest.mark.slow
 def test_graph_path_equals_eager_for_mixed_videos_and_images(checkpoint, videos):
     """Buckets smaller than a video: its frames pack with the images and spill over several packs."""
     _, directory, _ = checkpoint
