@@ -29,7 +29,10 @@ from encoder.errors import (
     ImageTooLargeError,
     InvalidArgumentError,
     InvalidImageError,
+    InvalidVideoError,
     RandomWeightsWarning,
+    VideoDecodeError,
+    VideoTooLargeError,
 )
 from encoder.lazy import lazy_exports
 from encoder.loading.presets import PRESETS
@@ -67,6 +70,7 @@ __all__ = [
     "ImageTooLargeError",
     "InvalidArgumentError",
     "InvalidImageError",
+    "InvalidVideoError",
     "PatchBatch",
     "RandomWeightsWarning",
     "ResolvedModel",
@@ -75,6 +79,8 @@ __all__ = [
     "Qwen3VLVisionConfig",
     "Siglip2VisionConfig",
     "SiglipVisionConfig",
+    "VideoDecodeError",
+    "VideoTooLargeError",
     "VisionEncoder",
     "VitPreprocessConfig",
     "load",

@@ -34,7 +34,7 @@ from encoder.config import (
 )
 from encoder.errors import ConfigError, InvalidArgumentError, RandomWeightsWarning, named
 from encoder.image_paths import preprocess_paths
-from encoder.loading.checkpoint import load_weights, read_image_processor
+from encoder.loading.checkpoint import load_weights, read_image_processor, read_video_processor
 from encoder.loading.hub import ResolvedModel, resolve_model
 from encoder.models.dinov2 import Dinov2VisionTower
 from encoder.models.dinov3 import Dinov3VisionTower
@@ -46,10 +46,11 @@ from encoder.models.tower import TowerOutput
 from encoder.models.vit import VitTower, build_vit_tower
 from encoder.outputs import LLMOutput
 from encoder.patch_batch import PatchBatch
-from encoder.patchify import preprocess
+from encoder.patchify import preprocess, preprocess_videos
 from encoder.poolings import check_pooling
 from encoder.preprocessing.naflex import NaflexPreprocessConfig
 from encoder.preprocessing.qwen import PreprocessConfig
+from encoder.preprocessing.video import VideoPreprocessConfig
 from encoder.preprocessing.vit import VitPreprocessConfig, check_matches_model
 from encoder.text_encoder import TextEncoder, load_text_side
 
@@ -137,6 +138,7 @@ class VisionEncoder:
         source: ResolvedModel | None = None,
         quantization: str | None = None,
         text: TextEncoder | None = None,
+        video_config: VideoPreprocessConfig | None = None,
     ):
         self.config = config
         self.model = model
@@ -147,6 +149,8 @@ class VisionEncoder:
         self.quantization = quantization
         # the text tower and tokenizer (CLIP / SigLIP checkpoints with tokenizer files), else None
         self.text = text
+        # the video processor's settings (Qwen towers: the checkpoint's, else transformers' defaults), else None
+        self.video_config = video_config if video_config is not None else default_video_config(config)
 
     @property
     def supports_text(self) -> bool:
@@ -226,6 +230,24 @@ class VisionEncoder:
 
     def _preprocess(self, images) -> PatchBatch:
         return preprocess(images, self.preprocess_config)
+
+    @property
+    def supports_video(self) -> bool:
+        """True for the Qwen towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): `preprocess_video` works."""
+        return self.video_config is not None
+
+    def preprocess_video(self, videos, fps: float | None = None) -> PatchBatch:
+        """One video or a list: encoded bytes (MP4 / MOV, WebM / Matroska, AVI), paths to video files, or uint8
+        arrays [frames, H, W, 3] holding every frame (`fps`: their frame rate, for sampling and timestamps; None:
+        unknown, taken as 24 by Qwen3-VL as transformers does). Sampled and resized as the checkpoint's
+        transformers video processor (`encoder.preprocessing.video`); a `PatchBatch` whose grid_thw rows have t
+        = temporal patches and, for Qwen3-VL, the timestamps. `encode` / `encode_llm` take it as they take
+        images; an image batch and a video batch combine with `PatchBatch.concat`."""
+        if self.video_config is None:
+            raise InvalidArgumentError(
+                f"model {self.name!r} takes no video: video needs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 tower"
+            )
+        return preprocess_paths(videos, lambda v: preprocess_videos(v, self.video_config, fps), kind="video")
 
     def num_patches(self, height: int, width: int) -> int:
         """Patches of an image of `height` x `width` pixels once preprocessed (resized, cropped) for this model."""
@@ -314,7 +336,7 @@ class VisionEncoder:
         tokens = pool_outputs(out.tokens.cpu(), counts, "none")
         deep = [pool_outputs(d.cpu(), counts, "none") for d in out.deepstack]
         return [
-            LLMOutput(tokens[i], tuple(batch.grid_thw[i].tolist()), [d[i] for d in deep])
+            LLMOutput(tokens[i], tuple(batch.grid_thw[i].tolist()), [d[i] for d in deep], batch.timestamps_of(i))
             for i in range(batch.num_images)
         ]
 
@@ -441,16 +463,53 @@ def default_preprocess_config(config: VisionConfig):
                             merge_size=config.spatial_merge_size)  # fmt: skip
 
 
-def check_patches_match(pp: PreprocessConfig, config: VisionConfig) -> None:
-    """A Qwen image processor cuts the patches the model embeds and merges: its sizes must be the model's
-    (a file that leaves one out gets transformers' Qwen2-VL default, 14, which a patch-16 model cannot
+def video_kind(config: VisionConfig) -> str | None:
+    """The video processor rule set of a tower: "qwen3" (Qwen3-VL, Qwen3.5), "qwen2" (Qwen2-VL, Qwen2.5-VL) or None."""
+    if isinstance(config, Qwen3VLVisionConfig):
+        return "qwen3"
+    if isinstance(config, Siglip2VisionConfig) or is_fixed_resolution(config):
+        return None
+    return "qwen2"
+
+
+def default_video_config(config: VisionConfig) -> VideoPreprocessConfig | None:
+    """transformers' video processor defaults for this tower, its patch sizes the model's; None: no video."""
+    kind = video_kind(config)
+    if kind is None:
+        return None
+    return VideoPreprocessConfig.defaults(
+        kind, patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
+        merge_size=config.spatial_merge_size,
+    )  # fmt: skip
+
+
+def video_config_for(config: VisionConfig, directory: Path | None = None) -> VideoPreprocessConfig | None:
+    """The video processor's settings of a model: its checkpoint's (`checkpoint.read_video_processor`) over
+    transformers' class defaults, or the defaults; None for towers without video. ConfigError naming the file
+    for settings this encoder cannot honour or that do not fit the model."""
+    kind = video_kind(config)
+    found = read_video_processor(directory) if kind is not None and directory is not None else None
+    if found is None:
+        return default_video_config(config)
+    raw, source = found
+    try:
+        vc = VideoPreprocessConfig.from_hf_dict(raw, kind)
+        check_patches_match(vc, config, "video")
+        return vc
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def check_patches_match(pp, config: VisionConfig, what: str = "image") -> None:
+    """A Qwen image (or video: `what`) processor cuts the patches the model embeds and merges: its sizes must be
+    the model's (a file that leaves one out gets transformers' Qwen2-VL default, 14, which a patch-16 model cannot
     take; transformers' own model would fail at its first image)."""
     pairs = [("patch_size", pp.patch_size, config.patch_size),
              ("temporal_patch_size", pp.temporal_patch_size, config.temporal_patch_size),
              ("merge_size", pp.merge_size, config.spatial_merge_size)]  # fmt: skip
     wrong = [f"{name} {ours} (the model's is {theirs})" for name, ours, theirs in pairs if ours != theirs]
     if wrong:
-        raise ConfigError(f"the image processor does not fit the model: {', '.join(wrong)}")
+        raise ConfigError(f"the {what} processor does not fit the model: {', '.join(wrong)}")
 
 
 def attention_plan(config: VisionConfig, device, dtype=None, attention=None) -> dict:
@@ -501,6 +560,7 @@ def load(
     dtype = _resolve_dtype(dtype, device)
     config, path = source.config, source.path
     pp = preprocess_config_for(config, path)  # before the weights: a bad image processor fails at once
+    video = video_config_for(config, path)
     # built on the meta device: PyTorch's default init of ~680M parameters would cost seconds
     # only to be overwritten by the checkpoint or our seeded init
     with torch.device("meta"):
@@ -527,4 +587,6 @@ def load(
     text = load_text_side(path, device, dtype) if path is not None and text else None
     if source.random_weights:
         RandomWeightsWarning.warn(source.name, stacklevel=2)  # at the line that called load
-    return VisionEncoder(config, tower, pp, name=source.name, source=source, quantization=quantization, text=text)
+    return VisionEncoder(
+        config, tower, pp, name=source.name, source=source, quantization=quantization, text=text, video_config=video
+    )

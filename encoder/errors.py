@@ -47,6 +47,19 @@ class DecodeWorkerError(ImageDecodeError):
     """The worker process decoding an image died (crash, out of memory, signal) before answering."""
 
 
+class VideoDecodeError(ImageDecodeError):
+    """The bytes given as a video are empty, truncated, corrupt, not a container we accept, or hold no video
+    stream in a codec we decode."""
+
+
+class InvalidVideoError(InvalidImageError):
+    """The video decoded (or was given as frames) but cannot be encoded: no frames, too few, a bad array."""
+
+
+class VideoTooLargeError(ImageTooLargeError):
+    """The video exceeds a configured limit: encoded bytes, duration, frames, pixels per frame or in all."""
+
+
 class ConfigError(EncoderError):
     """A model config, preset name or option is invalid or unknown."""
 

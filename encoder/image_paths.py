@@ -47,9 +47,10 @@ def read_image_path(path: str | os.PathLike) -> bytes:
         raise InvalidArgumentError(f"{path_name(path)}: cannot read ({exc.strerror or reason(exc)})") from None
 
 
-def preprocess_paths(images: Any, preprocess: Callable[[Any], PatchBatch]) -> PatchBatch:
+def preprocess_paths(images: Any, preprocess: Callable[[Any], PatchBatch], kind: str = "image") -> PatchBatch:
     """`preprocess(images)` with each path among `images` (one input or a list) read first. With paths, the
-    images are preprocessed one by one, so an error names the image's position in a list and its file."""
+    images are preprocessed one by one, so an error names the image's position in a list and its file.
+    `kind` names the inputs in errors ("image", "video")."""
     items = images if isinstance(images, list | tuple) else [images]
     if not any(is_path(x) for x in items):
         return preprocess(images)
@@ -67,7 +68,7 @@ def preprocess_paths(images: Any, preprocess: Callable[[Any], PatchBatch]) -> Pa
         except EncoderError as exc:
             if len(items) == 1:
                 raise
-            raise type(exc)(f"image {i}: {exc}") from None
+            raise type(exc)(f"{kind} {i}: {exc}") from None
     from encoder.patch_batch import PatchBatch  # torch: only once images are preprocessed
 
     return PatchBatch.concat(batches)

@@ -1,4 +1,4 @@
-"""`LLMOutput`: what an LLM server needs from the vision tower for one image.
+"""`LLMOutput`: what an LLM server needs from the vision tower for one image or video.
 
 A VLM serving stack that runs the encoder as its own service replaces its vision tower with these:
 `tokens` go into the image placeholder positions of the prompt, `deepstack` (Qwen3-VL) is added to
@@ -20,6 +20,8 @@ class LLMOutput:
     tokens: torch.Tensor  # [n, out_dim] merger output, == encode(..., pooling="none")
     grid_thw: tuple[int, int, int]  # the patch grid, == the HF processor's image_grid_thw row
     deepstack: list[torch.Tensor] = field(default_factory=list)  # one [n, out_dim] per DeepStack layer, model order
+    # a Qwen3-VL video's seconds per temporal patch (its prompt's `<t seconds>`), else None
+    timestamps: list[float] | None = None
 
     def vllm_embeds(self) -> torch.Tensor:
         """The one tensor vLLM's Qwen models produce for this image (and take as `image_embeds`):

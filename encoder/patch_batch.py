@@ -15,11 +15,15 @@ class PatchBatch:
 
     pixel_values: [total_patches, C*T*P*P] float32, each image's patches in the Hugging Face
         processor's order (merge blocks of m*m patches, row-major over blocks).
-    grid_thw: [num_images, 3] int64, (temporal, height, width) in patches per image.
+    grid_thw: [num_images, 3] int64, (temporal, height, width) in patches per image; a video's t is its
+        temporal patches (frames / temporal_patch_size, rounded up).
+    timestamps: None, or per item None (an image, a video without them) or a video's seconds per temporal patch
+        (Qwen3-VL's prompt, `encoder.preprocessing.video`).
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
+    timestamps: list[list[float] | None] | None = None
 
     def __post_init__(self):
         # a public type (`encode(PatchBatch(...))`): wrong inputs get an error naming the field, not an
@@ -47,6 +51,15 @@ class PatchBatch:
                 f"PatchBatch.grid_thw must be [num_images, 3] (t, h, w) rows, got shape {list(self.grid_thw.shape)}"
             )
 
+        if self.timestamps is not None and len(self.timestamps) != self.grid_thw.shape[0]:
+            raise InvalidArgumentError(
+                f"PatchBatch.timestamps has {len(self.timestamps)} entries for {self.grid_thw.shape[0]} grid_thw rows"
+            )
+
+    def timestamps_of(self, i: int) -> list[float] | None:
+        """Item i's timestamps (None for an image)."""
+        return None if self.timestamps is None else self.timestamps[i]
+
     @property
     def num_images(self) -> int:
         return int(self.grid_thw.shape[0])
@@ -63,8 +76,14 @@ class PatchBatch:
             starts.append(starts[-1] + c)
         parts = [self.pixel_values[starts[i] : starts[i + 1]] for i in index]
         pv = torch.cat(parts) if parts else self.pixel_values[:0]
-        return PatchBatch(pv, self.grid_thw[index])
+        stamps = None if self.timestamps is None else [self.timestamps[i] for i in index]
+        return PatchBatch(pv, self.grid_thw[index], stamps)
 
     @staticmethod
     def concat(batches: list[PatchBatch]) -> PatchBatch:
-        return PatchBatch(torch.cat([b.pixel_values for b in batches]), torch.cat([b.grid_thw for b in batches]))
+        stamps = None
+        if any(b.timestamps is not None for b in batches):
+            stamps = [b.timestamps_of(i) for b in batches for i in range(b.num_images)]
+        return PatchBatch(
+            torch.cat([b.pixel_values for b in batches]), torch.cat([b.grid_thw for b in batches]), stamps
+        )

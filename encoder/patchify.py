@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from encoder.errors import ImageDecodeError, InvalidImageError
+from encoder.errors import EncoderError, ImageDecodeError, InvalidImageError, InvalidVideoError
 from encoder.patch_batch import PatchBatch
 from encoder.preprocessing.config import ProcessorConfig
 from encoder.preprocessing.images import load_image
@@ -53,6 +53,41 @@ def patchify(pixels: torch.Tensor, cfg: ProcessorConfig = DEFAULT_CONFIG) -> tor
     # -> (block row, block col, row in block, col in block, C, py, px); a still image fills all T frames.
     frames = blocks.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
     return frames.reshape(gh * gw, cfg.patch_dim)
+
+
+@lru_cache(maxsize=32)
+def _video_lut(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """[3*256] float32: the normalised value of byte v in channel c as transformers' video processors compute it
+    (`rescale_and_normalize` fused: the uint8 frame cast to float32, minus mean * 255, over std * 255, each
+    product and step in float32), so a gather reproduces `pixel_values_videos` bit for bit."""
+    values = torch.arange(256, dtype=torch.float32)
+    m = (torch.tensor(mean, dtype=torch.float32) * (1.0 / (1 / 255)))[:, None]
+    s = (torch.tensor(std, dtype=torch.float32) * (1.0 / (1 / 255)))[:, None]
+    return ((values[None, :] - m) / s).reshape(-1).to(device)
+
+
+def patchify_video(frames: torch.Tensor, cfg) -> torch.Tensor:
+    """uint8 [n, H, W, 3] sampled, resized frames (sides multiples of P*m) -> float32 [t*(H/P)*(W/P), 3*T*P*P] in
+    the Hugging Face video order: an n not a multiple of T padded by repeating the last frame (as transformers
+    does), rows by temporal patch, then merge block (row-major), then within a block; columns (C, T, P, P).
+    `cfg` is an `encoder.preprocessing.video.VideoPreprocessConfig`."""
+    if isinstance(frames, np.ndarray):
+        frames = torch.from_numpy(frames)
+    if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[3] != 3 or frames.shape[0] == 0:
+        got = f"{frames.dtype} {tuple(frames.shape)}"
+        raise InvalidImageError(f"patchify_video expects uint8 [frames, H, W, 3], got {got}")
+    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    n, height, width, _ = frames.shape
+    if height % cfg.factor or width % cfg.factor:
+        raise InvalidImageError(f"patchify_video needs sides that are multiples of {cfg.factor}; got {height}x{width}")
+    if pad := -n % t:
+        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+    gt, gh, gw = frames.shape[0] // t, height // p, width // p
+    lut = _video_lut(tuple(cfg.image_mean), tuple(cfg.image_std), frames.device)
+    values = lut[frames.long() + torch.arange(3, device=frames.device) * 256]  # [n, H, W, 3] float32
+    blocks = values.view(gt, t, gh // m, m, p, gw // m, m, p, 3)
+    # -> (temporal patch, block row, block col, row in block, col in block, C, frame in patch, py, px)
+    return blocks.permute(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(gt * gh * gw, cfg.patch_dim)
 
 
 def _check_pixels(pixels: torch.Tensor, cfg: ProcessorConfig) -> None:
@@ -118,3 +153,37 @@ def preprocess(images: Any, cfg: ProcessorConfig = DEFAULT_CONFIG) -> PatchBatch
                 raise
             raise type(e)(f"image {i}: {e}") from e
     return patchify_many(arrays, cfg)
+
+
+def preprocess_videos(videos: Any, cfg, fps: float | None = None) -> PatchBatch:
+    """One video or a list (encoded bytes, or uint8 arrays [frames, H, W, 3] of every frame at `fps`) -> a
+    PatchBatch equal to the transformers video processor's `pixel_values_videos` / `video_grid_thw` (`cfg`: an
+    `encoder.preprocessing.video.VideoPreprocessConfig`), with the timestamps for Qwen3-VL."""
+    from encoder.preprocessing.video import prepare_frames
+    from encoder.preprocessing.video_decode import load_video
+
+    items = list(videos) if isinstance(videos, list | tuple) else [videos]
+    patches, grids, stamps = [], [], []
+    for i, x in enumerate(items):
+        try:
+            if isinstance(x, bytes | bytearray | memoryview):
+                prepared = load_video(bytes(x), cfg)
+            elif isinstance(x, np.ndarray):
+                prepared = prepare_frames(x, fps, cfg)
+            else:
+                raise InvalidVideoError(
+                    f"unsupported video type {type(x).__name__}; expected encoded bytes, a path or a uint8 array "
+                    "[frames, height, width, 3]"
+                )
+        except EncoderError as e:
+            if len(items) == 1:
+                raise
+            raise type(e)(f"video {i}: {e}") from e
+        frames = prepared.frames
+        patches.append(patchify_video(frames, cfg))
+        t = -(-frames.shape[0] // cfg.temporal_patch_size)
+        grids.append((t, frames.shape[1] // cfg.patch_size, frames.shape[2] // cfg.patch_size))
+        stamps.append(prepared.timestamps)
+    grid = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
+    pv = torch.cat(patches) if patches else torch.zeros(0, cfg.patch_dim)
+    return PatchBatch(pv, grid, stamps if any(s is not None for s in stamps) else None)

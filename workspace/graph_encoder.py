@@ -70,8 +70,9 @@ class PendingEncode:
 class PendingLLM:
     """`encode_llm` whose device work may still run; `result()` waits and splits per image."""
 
-    def __init__(self, host, event, sizes: list[int], layers: int, grid: list[list[int]]):
+    def __init__(self, host, event, sizes: list[int], layers: int, grid: list[list[int]], timestamps=None):
         self._host, self._event, self._sizes, self._layers, self._grid = host, event, sizes, layers, grid
+        self._timestamps = timestamps  # per item, a Qwen3-VL video's seconds per temporal patch, else None
 
     def done(self) -> bool:
         return self._event is None or self._event.query()
@@ -84,8 +85,9 @@ class PendingLLM:
         # host: [(1 + layers) * total, out_dim]: tokens, then each DeepStack layer, each packed per image
         planes = self._host.view(1 + self._layers, -1, self._host.shape[-1]).unbind(0)
         split = [torch.split(p, self._sizes) for p in planes]
+        stamps = self._timestamps or [None] * len(self._sizes)
         return [
-            LLMOutput(split[0][i], tuple(self._grid[i]), [split[k][i] for k in range(1, 1 + self._layers)])
+            LLMOutput(split[0][i], tuple(self._grid[i]), [split[k][i] for k in range(1, 1 + self._layers)], stamps[i])
             for i in range(len(self._sizes))
         ]
 
@@ -190,6 +192,11 @@ class GraphEncoder:
     def preprocess(self, images) -> PatchBatch:
         return self.encoder.preprocess(images)
 
+    def preprocess_video(self, videos, fps: float | None = None) -> PatchBatch:
+        """`VisionEncoder.preprocess_video`: videos (bytes, paths, uint8 frame arrays) -> a PatchBatch that
+        `encode` / `encode_llm` take; a video's frames are packed into the bucket graphs as images are."""
+        return self.encoder.preprocess_video(videos, fps)
+
     @torch.inference_mode()
     def encode(self, images, pooling: str | None = None) -> list[torch.Tensor]:
         """Per image, float32 CPU tensors, as `VisionEncoder.encode`: tokens ("none"), their mean
@@ -244,7 +251,8 @@ class GraphEncoder:
         layers = len(out.deepstack[0])
         flat = torch.cat(out.tokens + [d[k] for k in range(layers) for d in out.deepstack]).to(dtype)
         host, event = to_host(flat)
-        return PendingLLM(host, event, [t.shape[0] for t in out.tokens], layers, batch.grid_thw.tolist())
+        sizes = [t.shape[0] for t in out.tokens]
+        return PendingLLM(host, event, sizes, layers, batch.grid_thw.tolist(), batch.timestamps)
 
     # -- text (CLIP / SigLIP checkpoints with their tokenizer) ---------------------------------
     @property

@@ -2,9 +2,10 @@
 
 Every bucket of the table is captured in the constructor, largest first, into one shared memory
 pool. A batch is split into packs (`BucketTable.pack`); each pack is written into its bucket's
-`Workspace` and replayed. Images no bucket takes (above the largest budget or the per-image bound,
-or of several frames) run eagerly, each alone, through the same body, and so does a large pack its bucket
-would pad much (`EXACT_MIN_PATCHES`), at its exact size. Without CUDA nothing is
+`Workspace` and replayed. A video is packed frame by frame (each temporal patch an image of its own, `run_all`),
+so its frames share buckets with images and a long video spans several packs. Images no bucket takes (above the
+largest budget or the per-image bound) run eagerly, each alone, through the same body, and so does a large pack
+its bucket would pad much (`EXACT_MIN_PATCHES`), at its exact size. Without CUDA nothing is
 captured and every pack runs that body eagerly, so CPU tests exercise packing, padding and geometry.
 
 The runner knows no tower family: it talks to the tower only through `encoder.models.tower.GraphTower`
@@ -53,7 +54,8 @@ class RunnerStats:
     exact_runs: int = 0  # of those, packs a bucket would have taken with much padding (`GraphRunner._exact`)
     real_patches: int = 0
     padded_patches: int = 0
-    images: int = 0
+    images: int = 0  # items: images and videos
+    videos: int = 0  # of those, videos (grid t > 1), packed frame by frame
 
     def as_dict(self) -> dict:
         return {
@@ -69,6 +71,7 @@ class RunnerStats:
             "real_patches": self.real_patches,
             "padded_patches": self.padded_patches,
             "images": self.images,
+            "videos": self.videos,
         }
 
 
@@ -209,15 +212,15 @@ class GraphRunner:
         return Pack(None, pack.indices, pack.total)
 
     def _packs(self, counts: list[int], grid: list[list[int]]) -> list[Pack]:
-        """The table's packs, where an image no graph takes (above the per-image bound, or of several frames)
-        leaves its pack for an eager pack of its own; the images on either side of it keep their bucket. A
-        large pack its bucket would pad much runs eagerly at its exact size (`_exact`)."""
+        """The table's packs, where an image no graph takes (above the per-image bound) leaves its pack for an
+        eager pack of its own; the images on either side of it keep their bucket. A large pack its bucket would
+        pad much runs eagerly at its exact size (`_exact`)."""
         return [self._exact(pack) for pack in self._bucket_packs(counts, grid)]
 
     def _bucket_packs(self, counts: list[int], grid: list[list[int]]) -> list[Pack]:
         packs: list[Pack] = []
         for pack in self.table.pack(counts):
-            alone = [i for i in pack.indices if counts[i] > self.max_image_patches or grid[i][0] != 1]
+            alone = [i for i in pack.indices if counts[i] > self.max_image_patches]
             if pack.key is None or not alone:
                 packs.append(pack)
                 continue
@@ -240,9 +243,15 @@ class GraphRunner:
         return out.tokens, out.means
 
     def run_all(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> RunOutput:
-        """Tokens and means per image, plus the model embeddings and DeepStack features where the tower has them."""
-        grid = grid_thw.tolist()
-        counts = [t * h * w for t, h, w in grid]
+        """Tokens and means per image, plus the model embeddings and DeepStack features where the tower has them.
+
+        A video (grid t > 1) is packed as its t temporal patches, each a frame of (1, h, w): the towers attend
+        within a frame and place it by its own (h, w) only, so a video's tokens are its frames' tokens in order,
+        whichever packs the frames land in. A video larger than a bucket is split at those (frame-pair)
+        boundaries; its mean is that of all its tokens."""
+        items = grid_thw.tolist()
+        grid = [[1, h, w] for t, h, w in items for _ in range(t)]  # one row per frame (temporal patch)
+        counts = [h * w for _, h, w in grid]
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
@@ -261,12 +270,38 @@ class GraphRunner:
                     out_deep[i] = [d[j] for d in deep]
                     if pooled is not None:
                         out_pooled[i] = pooled[j]
-                self.stats.images += len(pack.indices)
                 self.stats.real_patches += pack.total
                 self.stats.padded_patches += pack.padded if in_bucket else 0
+            self.stats.images += len(items)
+            self.stats.videos += sum(t > 1 for t, _, _ in items)
+        if len(items) != n:  # videos: their frames' outputs joined back
+            out_tokens, out_means, out_pooled, out_deep = self._join_frames(items, out_tokens, out_means, out_pooled,
+                                                                            out_deep)  # fmt: skip
         means = torch.stack(out_means) if out_means else torch.empty(0)
         pooled = torch.stack(out_pooled) if out_pooled and out_pooled[0] is not None else None
         return RunOutput(out_tokens, means, pooled, out_deep)
+
+    @staticmethod
+    def _join_frames(items, tokens, means, pooled, deep):
+        """Per-frame outputs -> per-item outputs: a video's tokens (and DeepStack features) concatenated in frame
+        order, its mean over all of them (as the eager encoder takes it); images as they are."""
+        j_tokens, j_means, j_pooled, j_deep = [], [], [], []
+        f = 0
+        for t, _, _ in items:
+            if t == 1:
+                j_tokens.append(tokens[f])
+                j_means.append(means[f])
+                j_pooled.append(pooled[f])
+                j_deep.append(deep[f])
+            else:
+                assert pooled[f] is None, "towers with their own embedding take still images only"
+                joined = torch.cat(tokens[f : f + t])
+                j_tokens.append(joined)
+                j_means.append(joined.float().mean(0))
+                j_pooled.append(None)
+                j_deep.append([torch.cat([deep[k][layer] for k in range(f, f + t)]) for layer in range(len(deep[f]))])
+            f += t
+        return j_tokens, j_means, j_pooled, j_deep
 
     def _split(self, out: TowerOutput, rows: int, sizes: list[int], copy: bool = True):
         # bucket outputs are copied out now: the next replay (of any bucket) may reuse the shared pool;

@@ -65,6 +65,26 @@ def read_image_processor(directory: Path) -> tuple[dict, Path] | None:
     return (read_json(alone), alone) if alone.exists() else None
 
 
+VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
+
+
+def read_video_processor(directory: Path) -> tuple[dict, Path] | None:
+    """The video processor's settings in a checkpoint directory and their file, found as transformers finds them
+    (`BaseVideoProcessor.get_video_processor_dict`): the "video_processor" entry of processor_config.json, else
+    video_preprocessor_config.json, else the image processor's preprocessor_config.json; None when none exists."""
+    combined = directory / PROCESSOR_FILE
+    if combined.exists():
+        nested = read_json(combined).get("video_processor")
+        if nested is not None:
+            if not isinstance(nested, dict):
+                raise CheckpointError(f"{combined}: 'video_processor' must be a JSON object")
+            return nested, combined
+    for name in (VIDEO_PROCESSOR_FILE, IMAGE_PROCESSOR_FILE):
+        if (directory / name).exists():
+            return read_json(directory / name), directory / name
+    return None
+
+
 def load_config(directory: Path) -> VisionConfig:
     raw = read_json(directory / "config.json")
     vision = raw.get("vision_config")

@@ -105,8 +105,8 @@ def test_a_bucket_has_graph_shapes_by_longest_image():
 
 @torch.no_grad()
 def test_an_image_no_graph_takes_runs_alone():
-    """An image over the per-image bound, or of several frames, runs eagerly on its own: the images packed
-    with it still replay in their buckets (one such image sent its whole pack, up to max_images, eager)."""
+    """An image over the per-image bound runs eagerly on its own: the images packed with it still replay in
+    their buckets (one such image sent its whole pack, up to max_images, eager); a video's frames pack as images."""
     tower = PairSumTower()
     runner = GraphRunner(tower, BucketTable.parse("64"), max_image_patches=16)
     grids = [[1, 2, 4], [1, 2, 4], [1, 4, 6], [1, 2, 2], [2, 2, 2], [1, 2, 2]]  # 24 > 16 patches; 2 frames
@@ -117,8 +117,30 @@ def test_an_image_no_graph_takes_runs_alone():
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(mean, want.mean(0))
     s = runner.stats
-    assert (s.eager_runs, dict(s.replays)) == (2, {64: 3})  # [0, 1], [3], [5] replay; 2 and 4 alone
-    assert (s.images, s.real_patches, s.padded_patches) == (6, 8 + 8 + 24 + 4 + 8 + 4, 3 * 64 - 16 - 4 - 4)
+    assert s.eager_runs == 1  # image 2 alone; the rest (the video's two frames among them) replay
+    assert (s.images, s.videos) == (6, 1)
+    replayed = 8 + 8 + 4 + 8 + 4
+    assert (s.real_patches, s.padded_patches) == (replayed + 24, 64 * sum(s.replays.values()) - replayed)
+
+
+@torch.no_grad()
+def test_a_video_larger_than_a_bucket_is_split_at_its_frames():
+    """A video's temporal patches are segments like images: a video over the largest bucket is split across
+    packs at frame boundaries (no eager run), and its tokens, DeepStack features and mean are those of all its
+    frames in order, equal to the reference."""
+    tower = PairSumTower()
+    runner = GraphRunner(tower, BucketTable.parse("16"), max_image_patches=16)
+    grids = [[5, 2, 4], [1, 2, 2], [3, 2, 2]]  # 40 patches in frames of 8; an image; 12 in frames of 4
+    batch = random_batch(grids, 6, seed=5)
+    out = runner.run_all(batch.pixel_values, batch.grid_thw)
+    ref = reference(tower, grids, batch.pixel_values)
+    for got, want, deep, mean in zip(out.tokens, ref, out.deepstack, out.means, strict=True):
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(deep[0], 2 * want)
+        torch.testing.assert_close(mean, want.mean(0))
+    s = runner.stats
+    assert s.eager_runs == 0 and sum(s.replays.values()) >= 4
+    assert (s.images, s.videos, s.real_patches) == (3, 2, 40 + 4 + 12)
 
 
 def test_runner_refuses_what_is_not_a_tower():
