@@ -166,6 +166,7 @@ class EmbeddingRequest(BaseModel):
     )
     cache: bool = Field(
         True,
+        strict=True,
         description="Extension: false answers without the service's encoder cache (cache_mib): nothing is looked up "
         "or stored. Without a cache it changes nothing.",
     )
