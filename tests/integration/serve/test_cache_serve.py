@@ -71,16 +71,15 @@ def test_repeated_http_requests_are_answered_byte_identically_without_the_encode
     assert fresh.content == first.content and encoder_images() == before + 2
 
 
-def test_handle_calls_hit_the_same_cache_and_get_their_own_arrays(app):
+def test_handle_calls_hit_the_same_cache(app):
     arr = np.asarray(random_image("RGB", 48, 40, 7))
     first = app.handle.embed_llm.remote([arr], dtype="bfloat16").result()
     before = encoder_images()
     again = app.handle.embed_llm.remote([arr.copy()], dtype="bfloat16").result()
     assert encoder_images() == before
     assert again[0]["tokens"].tobytes() == first[0]["tokens"].tobytes() and again[0]["grid_thw"] == first[0]["grid_thw"]
-    again[0]["tokens"][:] = 0  # the caller's own copy
-    third = app.handle.embed_llm.remote([arr], dtype="bfloat16").result()
-    assert third[0]["tokens"].tobytes() == first[0]["tokens"].tobytes()
+    # as an uncached answer comes (Ray hands numpy arrays over read-only, in place)
+    assert again[0]["tokens"].flags.writeable == first[0]["tokens"].flags.writeable
     # encoded bytes sent through the handle share the HTTP entry of the same image (a base64 string there)
     data = png(3)
     assert post(app, {"input": base64.b64encode(data).decode()}).status_code == 200
