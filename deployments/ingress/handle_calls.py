@@ -53,12 +53,20 @@ class HandleCalls:
         self.args = args
         self._lifecycle = Lifecycle(args, client, decoder, admission, telemetry, drain)
 
-    async def __call__(self, images, pooling: str | None, llm: str | None, layout: str = "parts") -> list:
-        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm` (`layout` "vllm":
-        its tokens and DeepStack layers concatenated, `vllm_handoff.vllm_wire`)."""
+    async def __call__(self, images, pooling: str | None, llm: str | None, layout: str = "parts", videos=None) -> list:
+        """Per image, then per video, a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`
+        (`layout` "vllm": its tokens and DeepStack layers concatenated, `vllm_handoff.vllm_wire`); a video's tuple
+        has its timestamps after the grid (None but for Qwen3-VL)."""
         started = time.perf_counter()
-        if not isinstance(images, list | tuple):
+        if images is None:
+            images = []
+        elif not isinstance(images, list | tuple):
             images = [images]
+        if videos is None:
+            videos = []
+        elif not isinstance(videos, list | tuple):
+            videos = [videos]
+        images = [*images, *videos]  # counted together below; split again for the order
         if self._lifecycle.refused_draining("handle", len(images), started):  # 503, come back elsewhere
             raise ShuttingDownError(retry_after_s=self.args.retry_after_s)
 
@@ -70,7 +78,8 @@ class HandleCalls:
             if llm is not None:
                 check_dtype(llm)
             check_layout(layout)
-            return await self._lifecycle.encode(flight, EmbedOrder(list(images), pooling, llm, layout=layout))
+            order = EmbedOrder(images[: len(images) - len(videos)], pooling, llm, layout=layout, videos=list(videos))
+            return await self._lifecycle.encode(flight, order)
 
         return await self._lifecycle.run("handle", len(images), body, _failed, started=started)
 

@@ -32,10 +32,11 @@ from deployments.config import AppArgs
 from deployments.errors import DISCONNECTED, OK, OVERLOADED, ErrorCode, RequestError, text_off_error
 from deployments.ingress.decoding import IngressDecoder
 from deployments.ingress.encoder_calls import EncoderClient
-from deployments.ingress.limits import Admission, Ticket
+from deployments.ingress.limits import Admission, Ticket, check_request_patches
 from deployments.metrics import IngressTelemetry
 from deployments.shutdown import DrainWatch
 from deployments.vllm_handoff import check_uuids, check_vllm_model, ec_cache_item, vllm_wire, write_ec_cache
+from deployments.wire import patch_count
 
 T = TypeVar("T")
 
@@ -53,19 +54,21 @@ class EmbedOrder:
     texts: list[str] = field(default_factory=list)  # checked: non-empty strings
     kinds: list[str] | None = None  # per item "image" or "text", the answer's order; None: the images, then texts
     layout: str = "parts"  # LLM outputs: "parts" (tokens, DeepStack apart) or "vllm" (one tensor, `vllm_handoff`)
+    videos: list = field(default_factory=list)  # encoded videos or uint8 [frames, H, W, 3] arrays (Qwen towers)
+    video_label: str = "videos"  # how errors name a video without kinds (handle calls)
 
-    def ordered(self, images: list, texts: list) -> list:
-        """The outputs of the images and of the texts, in the order's item order."""
+    def ordered(self, images: list, texts: list, videos: list | None = None) -> list:
+        """The outputs of the images, videos and texts, in the order's item order."""
         if self.kinds is None:
-            return images + texts
-        by_kind = {"image": iter(images), "text": iter(texts)}
+            return images + (videos or []) + texts
+        by_kind = {"image": iter(images), "text": iter(texts), "video": iter(videos or [])}
         return [next(by_kind[k]) for k in self.kinds]
 
-    def image_label(self):
-        """How errors name image i: `label[i]`, or with kinds its position among all the items."""
-        if self.kinds is None or "text" not in self.kinds:
-            return self.label
-        positions = [i for i, k in enumerate(self.kinds) if k == "image"]
+    def image_label(self, kind: str = "image"):
+        """How errors name image (or video) i: `label[i]`, or with kinds its position among all the items."""
+        if self.kinds is None or set(self.kinds) <= {kind}:
+            return self.label if kind == "image" or self.kinds is not None else self.video_label
+        positions = [i for i, k in enumerate(self.kinds) if k == kind]
         return lambda i: f"{self.label}[{positions[i]}]"
 
 
@@ -211,7 +214,7 @@ class Lifecycle:
         """Per item of `order` its output: pooling resolved, images decoded (patches admitted), texts admitted by
         tokens, the encoder calls with the request's deadline. Records the decode and encode phases, the
         request's patches and its texts' tokens."""
-        if not order.images and not order.texts:
+        if not order.images and not order.texts and not order.videos:
             return []
         info = await self._client.info()
         if order.layout == "vllm":
@@ -223,36 +226,68 @@ class Lifecycle:
         if text is not None:
             text_pooling = resolve_text_pooling(order.pooling, text)
             self._check_dimensions(order.dimensions, text["output_dims"][text_pooling], text_pooling)
-        if order.images:
+        if order.images or order.videos:
             pooling = resolve_pooling(order.pooling, info, self.args.model_name)
             self._check_dimensions(order.dimensions, info["output_dims"][pooling], pooling)
         if text is not None:
             reserve(len(order.texts) * text["seq_len"])  # what they hold on the device: the tower's fixed length
+        videos, video_patches = await self._videos(order, info, reserve)
         if order.images:
             pp = info["preprocess_config"]
-            images = await self._decoder.prepare(order.images, pp, order.image_label(), order.max_patches, reserve)
+
+            def admit(n: int) -> None:  # the request's patch limit counts its videos' too
+                if order.max_patches is not None:
+                    check_request_patches(n + video_patches, order.max_patches)
+                reserve(n)
+
+            images = await self._decoder.prepare(order.images, pp, order.image_label(), None, admit)
+        arrays = (images or []) + [frames for frames, _ in videos]
         encode_at = time.perf_counter()
         deadline = time.time() + self.args.request_timeout_s - flight.elapsed()
         calls = []
-        if images is not None:
-            calls.append(self._client.encode(images, pooling, order.llm, deadline))
+        if arrays:
+            calls.append(self._client.encode(arrays, pooling, order.llm, deadline))
         if text is not None:
             calls.append(self._client.encode_texts(order.texts, text_pooling, deadline))
         results = await (calls[0] if len(calls) == 1 else gather_or_cancel(calls))
         if len(calls) == 1:
             results = [results]
-        del images
-        image_out, text_out = [], []
-        if order.images:
+        del images, arrays
+        image_out, video_out, text_out = [], [], []
+        if order.images or order.videos:
             image_out, flight.patches = results[0]
+            if order.llm is not None and videos:  # a video's LLM outputs carry its timestamps after the grid
+                n = len(order.images)
+                image_out = image_out[:n] + [(*w, s) for w, (_, s) in zip(image_out[n:], videos, strict=True)]
             if order.layout == "vllm":
                 image_out = [vllm_wire(w) for w in image_out]
+            image_out, video_out = image_out[: len(order.images)], image_out[len(order.images) :]
         if text is not None:
             answered = results[-1]
             text_out = [vec for vec, _ in answered]
             flight.text_tokens = sum(n for _, n in answered)
         flight.phases.update(decode=encode_at - decode_at, encode=time.perf_counter() - encode_at)
-        return order.ordered(image_out, text_out)
+        return order.ordered(image_out, text_out, video_out)
+
+    async def _videos(self, order: EmbedOrder, info: dict, reserve: Callable[[int], None]) -> tuple[list, int]:
+        """The order's videos decoded (`IngressDecoder.prepare_videos`: per video its frames and timestamps) and
+        their patches (`cfg.grid` of the sampled frames) checked against the request's limit and reserved; 400
+        `video_not_supported` for a tower without a video processor."""
+        if not order.videos:
+            return [], 0
+        vcfg = info.get("video_config")
+        if vcfg is None:
+            raise RequestError(
+                f"the served model {self.args.model_name!r} takes no video: video needs a Qwen2-VL, Qwen2.5-VL, "
+                "Qwen3-VL or Qwen3.5 tower",
+                ErrorCode.VIDEO_NOT_SUPPORTED, "input",
+            )  # fmt: skip
+        videos = await self._decoder.prepare_videos(order.videos, vcfg, order.image_label("video"))
+        patches = sum(patch_count(f, vcfg.patch_size, vcfg.temporal_patch_size) for f, _ in videos)
+        if order.max_patches is not None:
+            check_request_patches(patches, order.max_patches)
+        reserve(patches)
+        return videos, patches
 
     async def info(self) -> dict:
         """The encoder's facts (`EncoderClient.info`: fetched once)."""

@@ -1,0 +1,128 @@
+"""Video in the service without Ray (issue 47 item 1): the wire's patch count, the replica's shape checks and its
+mixed image / video patchify, the ingress's video strings, item order and labels, the error table's video codes,
+and the video decode pool (PyAV in a worker process, timestamps back with the frames)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from deployments.errors import ErrorCode, RequestError, classify
+from deployments.ingress.decode_pool import DecodePool, decode_video_frames
+from deployments.ingress.inputs import parse_video_string
+from deployments.ingress.lifecycle import EmbedOrder
+from deployments.replica.pipeline import check_pixels
+from deployments.wire import patch_count
+from encoder.errors import (
+    DecodeTimeoutError,
+    InvalidImageError,
+    InvalidVideoError,
+    VideoDecodeError,
+    VideoTooLargeError,
+)
+from encoder.patchify import patchify, patchify_video, stack_patchify
+from encoder.preprocessing.qwen import PreprocessConfig as QwenPreprocessConfig
+from encoder.preprocessing.video import VideoPreprocessConfig
+from encoder.preprocessing.video_decode import load_video
+from tests.video_util import make_video
+
+VCFG = VideoPreprocessConfig.defaults("qwen3")
+PP = QwenPreprocessConfig(patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3)
+
+
+def test_patch_count_of_images_and_videos():
+    assert patch_count(np.zeros((64, 96, 3), np.uint8), 16) == 4 * 6
+    assert patch_count(np.zeros((5, 64, 96, 3), np.uint8), 16, 2) == 3 * 4 * 6  # an odd count padded
+    h, w = VCFG.target_size(5, 64, 96)
+    assert patch_count(np.zeros((5, h, w, 3), np.uint8), 16, 2) == int(np.prod(VCFG.grid(5, 64, 96)))
+
+
+def test_replica_check_pixels_takes_videos_only_with_a_video_processor():
+    video = np.zeros((4, 64, 32, 3), np.uint8)
+    arrays, counts = check_pixels([np.zeros((32, 32, 3), np.uint8), video], PP, VCFG)
+    assert counts == [4, 2 * 4 * 2] and arrays[1] is video
+    with pytest.raises(InvalidVideoError, match=r"pixels\[0\].*takes no video"):
+        check_pixels([video], PP, None)
+    with pytest.raises(InvalidVideoError, match=r"pixels\[0\]"):
+        check_pixels([np.zeros((4, 40, 32, 3), np.uint8)], PP, VCFG)  # 40 not a multiple of 32
+    with pytest.raises(InvalidVideoError):
+        check_pixels([np.zeros((0, 32, 32, 3), np.uint8)], PP, VCFG)
+    with pytest.raises(InvalidImageError):
+        check_pixels([np.zeros((32, 32), np.uint8)], PP, VCFG)
+
+
+def test_stack_patchify_of_images_and_videos_is_the_concatenation():
+    rng = np.random.default_rng(0)
+    items = [
+        rng.integers(0, 256, (32, 64, 3), dtype=np.uint8),
+        rng.integers(0, 256, (3, 64, 32, 3), dtype=np.uint8),
+        rng.integers(0, 256, (64, 64, 3), dtype=np.uint8),
+        rng.integers(0, 256, (32, 64, 3), dtype=np.uint8),
+        rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8),
+    ]
+    batch = stack_patchify(items, PP, torch.device("cpu"), VCFG)
+    want = [
+        patchify_video(torch.from_numpy(x), VCFG) if x.ndim == 4 else patchify(torch.from_numpy(x), PP) for x in items
+    ]
+    assert torch.equal(batch.pixel_values, torch.cat(want))
+    assert batch.grid_thw.tolist() == [[1, 2, 4], [2, 4, 2], [1, 4, 4], [1, 2, 4], [2, 2, 2]]
+    assert batch.grid_thw.dtype == torch.int64
+    images_only = stack_patchify([items[0], items[2]], PP, torch.device("cpu"), VCFG)
+    assert torch.equal(images_only.pixel_values, torch.cat([want[0], want[2]]))
+
+
+def test_video_strings():
+    data = b"\x00\x00\x00\x18ftypmp42 some video"
+    b64 = base64.b64encode(data).decode()
+    assert parse_video_string(f"data:video/mp4;base64,{b64}", 1000) == data
+    assert parse_video_string(b64, 1000) == data
+    with pytest.raises(RequestError) as e:
+        parse_video_string(f"data:image/png;base64,{b64}", 1000)
+    assert e.value.error is ErrorCode.UNSUPPORTED_MEDIA_TYPE
+    with pytest.raises(RequestError) as e:
+        parse_video_string("https://example.com/a.mp4", 1000)
+    assert e.value.error is ErrorCode.INVALID_IMAGE_URL
+    with pytest.raises(VideoTooLargeError):
+        parse_video_string(b64, 10)
+    with pytest.raises(RequestError) as e:
+        parse_video_string("data:video/mp4;base64,@@@", 1000)
+    assert e.value.error is ErrorCode.INVALID_BASE64
+
+
+def test_order_and_labels_of_mixed_items():
+    order = EmbedOrder(["i0", "i1"], videos=["v0"], texts=["t0"], kinds=["video", "image", "text", "image"],
+                       label="input")  # fmt: skip
+    assert order.ordered(["I0", "I1"], ["T0"], ["V0"]) == ["V0", "I0", "T0", "I1"]
+    assert order.image_label()(1) == "input[3]" and order.image_label("video")(0) == "input[0]"
+    handle = EmbedOrder(["i0"], videos=["v0", "v1"])
+    assert handle.ordered(["I0"], [], ["V0", "V1"]) == ["I0", "V0", "V1"]
+    assert handle.image_label() == "images" and handle.image_label("video") == "videos"
+    videos_only = EmbedOrder([], videos=["v0"], kinds=["video"], label="input")
+    assert videos_only.image_label("video") == "input"
+
+
+@pytest.mark.parametrize(
+    "exc, code, status",
+    [
+        (VideoDecodeError("x"), ErrorCode.INVALID_VIDEO, 400),
+        (InvalidVideoError("x"), ErrorCode.INVALID_VIDEO, 400),
+        (VideoTooLargeError("x"), ErrorCode.VIDEO_TOO_LARGE, 413),
+        (DecodeTimeoutError("x"), ErrorCode.IMAGE_DECODE_TIMEOUT, 413),
+    ],
+)
+def test_video_errors_have_codes(exc, code, status):
+    assert classify(exc).error is code and code.status == status
+
+
+def test_video_decode_pool_returns_frames_and_timestamps():
+    data = make_video(9, 48, 64, fps=10)
+    want = load_video(data, VCFG)
+    with DecodePool(1, cfg=VCFG, decode_fn=decode_video_frames, context="spawn") as pool:
+        got, stamps = asyncio.run(pool.decode_async(data, 30.0))
+        assert np.array_equal(got, want.frames) and stamps == want.timestamps
+        with pytest.raises(VideoDecodeError):
+            pool.decode(data[: len(data) // 2], 30.0)
