@@ -1,17 +1,21 @@
 """Video through the running app (CPU Ray, issue 47 item 1): the `tiny-qwen3-vl` preset (DeepStack, timestamps);
-short videos made with PyAV in the test (`tests/video_util.py`). The handle's `embed(videos=...)` /
-`embed_llm(videos=...)` equal `VisionEncoder.encode` / `encode_llm` of `preprocess_video` of the same bytes (same
-preset and seed: same random weights), in order with images; hostile videos get their errors, naming the
-video, while an image request keeps answering."""
+short videos made with PyAV in the test (`tests/video_util.py`). HTTP `{"video": ...}` items mixed with images
+and the handle's `embed(videos=...)` / `embed_llm(videos=...)` equal `VisionEncoder.encode` / `encode_llm` of
+`preprocess_video` of the same bytes (same preset and seed: same random weights), in order with images;
+`usage.prompt_tokens` counts the videos' patches; hostile videos get their 4xx (handle: their errors, naming the
+video) while an image request keeps answering."""
 
 from __future__ import annotations
 
+import base64
+
+import httpx
 import numpy as np
 import pytest
 
 import encoder
 from encoder.errors import EncoderError, InvalidVideoError, VideoDecodeError
-from tests.images_util import random_array
+from tests.images_util import encode, random_array, random_image
 from tests.serve_fixtures import running_app
 from tests.video_util import frames, make_video
 
@@ -91,3 +95,67 @@ def test_hostile_videos_raise_naming_the_video_while_images_answer(app, clips, b
     assert "videos[1]" in str(info.value)
     out = app.handle.embed.remote([random_array(32, 32, seed=2)]).result()
     assert out[0].ndim == 1
+
+
+# ------------------------------------------------------------------------------------------ HTTP
+
+
+def video_url(data: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+def image_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def post(app, body: dict) -> httpx.Response:
+    with httpx.Client(base_url=app.base_url, timeout=120) as client:
+        return client.post("/v1/embeddings", json=body)
+
+
+def test_http_video_items_mixed_with_images(app, ref, clips):
+    png = encode(random_image("RGB", 48, 80, seed=4), "PNG")
+    items = [{"video": video_url(clips[0])}, {"image": image_url(png)}, {"video": base64.b64encode(clips[1]).decode()}]
+    r = post(app, {"input": items, "pooling": "mean"})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    videos = ref.preprocess_video(clips)
+    image = ref.preprocess(png)
+    want = ref.encode(videos, pooling="mean")
+    close(data[0]["embedding"], want[0])
+    close(data[1]["embedding"], ref.encode(image, pooling="mean")[0])
+    close(data[2]["embedding"], want[1])
+    patches = sum(videos.patch_counts()) + sum(image.patch_counts())
+    assert r.json()["usage"]["prompt_tokens"] == patches
+
+
+def test_http_video_llm_outputs_carry_grid_and_timestamps(app, ref, clips):
+    r = post(app, {"input": [{"video": video_url(clips[0])}], "pooling": "none"})
+    assert r.status_code == 200, r.text
+    item = r.json()["data"][0]
+    batch = ref.preprocess_video(clips[0])
+    want = ref.encode_llm(batch)[0]
+    assert item["grid_thw"] == list(want.grid_thw) and item["timestamps"] == pytest.approx(batch.timestamps_of(0))
+    close(item["embedding"], want.tokens)
+
+
+@pytest.mark.parametrize(
+    "payload, status, code",
+    [
+        (lambda clip: video_url(clip[: len(clip) // 2]), 400, "invalid_video"),  # truncated
+        (lambda clip: video_url(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64), 400, "invalid_video"),  # no frames
+        (lambda clip: "data:image/png;base64," + base64.b64encode(clip).decode(), 415, "unsupported_media_type"),
+        (lambda clip: "%%%", 400, "invalid_base64"),
+        (lambda clip: 3, 422, "invalid_schema"),
+    ],
+)
+def test_http_hostile_videos_are_4xx_while_images_answer(app, clips, payload, status, code):
+    r = post(app, {"input": [{"image": image_url(encode(random_image("RGB", 32, 32), "PNG"))},
+                             {"video": payload(clips[0])}]})  # fmt: skip
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code
+    if status == 400 and code == "invalid_video":
+        assert error["message"].startswith("input[1]")
+    ok = post(app, {"input": [image_url(encode(random_image("RGB", 32, 32, seed=7), "PNG"))]})
+    assert ok.status_code == 200, ok.text

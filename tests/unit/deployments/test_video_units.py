@@ -126,3 +126,39 @@ def test_video_decode_pool_returns_frames_and_timestamps():
         assert np.array_equal(got, want.frames) and stamps == want.timestamps
         with pytest.raises(VideoDecodeError):
             pool.decode(data[: len(data) // 2], 30.0)
+
+
+# ------------------------------------------------------------------------------------------ HTTP items
+
+
+def test_http_video_items_parse_in_order():
+    from deployments.ingress.openai_api import input_items, parse_embedding_request
+
+    body = b'{"input": [{"video": "AAAA"}, {"image": "BBBB"}, {"text": "t"}, {"video": "CCCC"}], "pooling": "mean"}'
+    parsed = parse_embedding_request(body)
+    items = input_items(parsed.input, parsed.input_type)
+    assert items.videos == ["AAAA", "CCCC"] and items.images == ["BBBB"] and items.texts == ["t"]
+    assert items.kinds == ["video", "image", "text", "video"] and len(items) == 4
+    plain = input_items(["AAAA"], "video")
+    assert plain.videos == ["AAAA"] and plain.kinds == ["video"]
+    with pytest.raises(RequestError) as e:
+        input_items([{"video": 3}])
+    assert e.value.error is ErrorCode.INVALID_SCHEMA and "input[0].video must be a string" in str(e.value)
+    with pytest.raises(RequestError) as e:
+        input_items([{"audio": "x"}])
+    assert '"video"' in str(e.value)
+
+
+def test_http_answer_of_a_video_carries_its_grid_and_timestamps():
+    import orjson
+
+    from deployments.ingress.openai_api import embeddings_body
+
+    tokens = np.ones((4, 3), np.float32)
+    video = (tokens, [], (2, 2, 4), [0.25, 1.25])
+    image = (tokens, [], (1, 4, 4), None)
+    body = orjson.loads(embeddings_body([image, video, (tokens, [], (1, 4, 4))], "float", "m", 40))
+    assert "timestamps" not in body["data"][0] and "timestamps" not in body["data"][2]
+    assert body["data"][1]["timestamps"] == [0.25, 1.25] and body["data"][1]["grid_thw"] == [2, 2, 4]
+    b64 = orjson.loads(embeddings_body([video], "base64", "m", 16))
+    assert b64["data"][0]["timestamps"] == [0.25, 1.25] and b64["usage"]["prompt_tokens"] == 16
