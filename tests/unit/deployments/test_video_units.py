@@ -162,3 +162,34 @@ def test_http_answer_of_a_video_carries_its_grid_and_timestamps():
     assert body["data"][1]["timestamps"] == [0.25, 1.25] and body["data"][1]["grid_thw"] == [2, 2, 4]
     b64 = orjson.loads(embeddings_body([video], "base64", "m", 16))
     assert b64["data"][0]["timestamps"] == [0.25, 1.25] and b64["usage"]["prompt_tokens"] == 16
+
+
+# ------------------------------------------------------------------------------------------ batch
+
+
+def test_batch_video_column_options_and_decode_rows():
+    import pyarrow as pa
+
+    from deployments.batch.columns import ERROR, FRAMES, HEIGHT, PATCHES, PIXELS, WIDTH
+    from deployments.batch.decode import decode_batch
+    from deployments.batch.model_facts import typical_video_patches
+    from deployments.batch.options import EmbedOptions
+
+    o = EmbedOptions.of(model="tiny-qwen3-vl", video_column="clip")
+    assert o.image_column == "clip" and EmbedOptions.of(**o.model_dump()).image_column == "clip"
+    with pytest.raises(Exception, match="video_column and text_column"):
+        EmbedOptions.of(video_column="clip", text_column="t")
+    assert typical_video_patches(VCFG) == VCFG.max_pixels // 16**2
+
+    good = make_video(9, 48, 64, fps=10)
+    table = pa.table({"id": [0, 1, 2], "clip": pa.array([good, good[:300], None], pa.binary())})
+    out = decode_batch(table, image_column="clip", pp=PP, path_root=None, video_cfg=VCFG)
+    want = load_video(good, VCFG).frames
+    n, h, w, _ = want.shape
+    assert out.column(FRAMES).to_pylist() == [n, 0, 0] and out.column(HEIGHT).to_pylist()[0] == h
+    assert out.column(WIDTH).to_pylist()[0] == w
+    assert out.column(PATCHES).to_pylist() == [patch_count(want, 16, 2), 0, 0]
+    assert out.column(PIXELS).to_pylist()[0] == want.tobytes()
+    errors = out.column(ERROR).to_pylist()
+    assert errors[0] is None and errors[1].startswith("VideoDecodeError") and errors[2].startswith("ImageDecodeError")
+    assert "clip" not in out.column_names
