@@ -144,6 +144,7 @@ def test_http_video_llm_outputs_carry_grid_and_timestamps(app, ref, clips):
     [
         (lambda clip: video_url(clip[: len(clip) // 2]), 400, "invalid_video"),  # truncated
         (lambda clip: video_url(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64), 400, "invalid_video"),  # no frames
+        (lambda clip: video_url(make_video(1, 32, 32)), 400, "invalid_video"),  # one frame: Qwen3-VL needs 2
         (lambda clip: "data:image/png;base64," + base64.b64encode(clip).decode(), 415, "unsupported_media_type"),
         (lambda clip: "%%%", 400, "invalid_base64"),
         (lambda clip: 3, 422, "invalid_schema"),
