@@ -193,3 +193,21 @@ def test_batch_video_column_options_and_decode_rows():
     errors = out.column(ERROR).to_pylist()
     assert errors[0] is None and errors[1].startswith("VideoDecodeError") and errors[2].startswith("ImageDecodeError")
     assert "clip" not in out.column_names
+
+
+def test_video_decode_pool_applies_the_limits_and_reports_their_codes():
+    from encoder.preprocessing.video import VideoLimits
+
+    data = make_video(9, 48, 64, fps=10)
+    cases = [
+        (VideoLimits(max_frame_pixels=1000), VideoTooLargeError, ErrorCode.VIDEO_TOO_LARGE),
+        (VideoLimits(max_frames=5), VideoTooLargeError, ErrorCode.VIDEO_TOO_LARGE),
+        (VideoLimits(max_duration_s=0.5), VideoTooLargeError, ErrorCode.VIDEO_TOO_LARGE),
+        (VideoLimits(max_decode_s=1e-9), DecodeTimeoutError, ErrorCode.IMAGE_DECODE_TIMEOUT),
+    ]
+    for limits, error, code in cases:
+        cfg = VideoPreprocessConfig.defaults("qwen3", limits=limits)
+        with DecodePool(1, cfg=cfg, decode_fn=decode_video_frames, context="spawn") as pool:
+            with pytest.raises(error) as info:
+                pool.decode(data, 30.0)
+        assert classify(info.value).error is code, limits
