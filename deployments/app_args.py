@@ -321,6 +321,17 @@ class IngressArgs(BaseModel):
         "(ECExampleConnector's shared_storage_path; storage every ingress replica and the LLM server share). "
         "None: the option is off (400 ec_cache_not_configured). Clients name only the uuid, never a path.",
     )
+    cache_mib: int = Field(
+        0,
+        ge=0,
+        description="MiB of encoder outputs each ingress replica keeps, keyed by content and everything that changes "
+        "the answer, least recently used out (docs/service.md#encoder-cache): a repeated image or text is answered "
+        "without decode or encode. 0 (default): off. Off by default because a hit answers without any encoder "
+        "replica and is measurably faster: the service benchmarks (which repeat their images) and the fault tests "
+        "would measure the cache, and tenants sharing a service could learn from the timing that an image was sent "
+        "before; 256 is a good value where those do not matter (about 18k pooled 7B-Qwen vectors or 570 per-token "
+        "bf16 224x224 answers per ingress replica).",
+    )
 
     @property
     def inflight_limit(self) -> int:

@@ -68,6 +68,24 @@ class IngressMetrics:
             "vision_encoder_call_retries",
             description="Encoder calls retried because their replica died or was unavailable.",
         )
+        # the encoder-output cache (`deployments.ingress.cache`), per item looked up
+        self.cache_hits = Counter(
+            "vision_cache_hits",
+            description="Items answered from the ingress's encoder-output cache (no decode, no encode), by kind "
+            "(image|text).",
+            tag_keys=("kind",),
+        )
+        self.cache_misses = Counter(
+            "vision_cache_misses",
+            description="Items looked up in the encoder-output cache and not found (then decoded and encoded), by "
+            "kind (image|text).",
+            tag_keys=("kind",),
+        )
+        self.cache_bytes = Gauge(
+            "vision_cache_bytes",
+            description="Bytes held by this ingress replica's encoder-output cache (outputs and bookkeeping; at most "
+            "cache_mib).",
+        )
 
     def request(self, route: str, outcome: str, images: int, patches: int, seconds: float) -> None:
         self.requests.inc(tags={"route": route, "outcome": outcome})
@@ -108,6 +126,8 @@ class IngressTelemetry:
             "encoder_retries": 0,
             "encoder_backpressure": 0,
             "disconnected": 0,  # requests whose caller went away before the answer (no answer sent)
+            "cache_hits": 0,  # items answered from the encoder-output cache
+            "cache_misses": 0,  # items looked up there and not found
             # HTTP error answers: 4xx (but 408/429), 429/503, 408/504, other 5xx
             **dict.fromkeys(_ANSWER_COUNTS.values(), 0),
         }
@@ -124,6 +144,18 @@ class IngressTelemetry:
         if outcome == DISCONNECTED:
             self.counts["disconnected"] += 1
         self.metrics.request(route, outcome, images, patches, seconds)
+
+    def cache_lookups(self, kind: str, hits: int, misses: int) -> None:
+        """Items of `kind` (image|text) looked up in the encoder-output cache."""
+        self.counts["cache_hits"] += hits
+        self.counts["cache_misses"] += misses
+        if hits:
+            self.metrics.cache_hits.inc(hits, tags={"kind": kind})
+        if misses:
+            self.metrics.cache_misses.inc(misses, tags={"kind": kind})
+
+    def cache_held(self, nbytes: int) -> None:
+        self.metrics.cache_bytes.set(nbytes)
 
     def snapshot(self) -> dict:
         return dict(self.counts) | {"timings_ms": {route: t.p50_ms() for route, t in self.timings.items()}}

@@ -46,44 +46,54 @@ def to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     return host, event
 
 
-class PendingEncode:
-    """An encode whose device work may still run; `result()` waits for it (releasing the GIL)."""
+class _Pending:
+    """Device work queued with its output copying to host memory (`to_host`); `done()` without waiting,
+    `_wait()` blocks on the copy (releasing the GIL) and gives the host tensor (None: nothing was queued)."""
 
-    def __init__(self, host: torch.Tensor | None, event, sizes: list[int] | None, l2: bool):
-        self._host, self._event, self._sizes, self._l2 = host, event, sizes, l2
+    def __init__(self, host: torch.Tensor | None, event):
+        self._host, self._event = host, event
 
     def done(self) -> bool:
         return self._event is None or self._event.query()
+
+    def _wait(self) -> torch.Tensor | None:
+        if self._host is not None and self._event is not None:
+            self._event.synchronize()
+        return self._host
+
+
+class PendingEncode(_Pending):
+    """An encode whose device work may still run; `result()` waits for it."""
+
+    def __init__(self, host: torch.Tensor | None, event, sizes: list[int] | None, l2: bool):
+        super().__init__(host, event)
+        self._sizes, self._l2 = sizes, l2
 
     def result(self) -> list[torch.Tensor]:
         """Per image, float32 CPU tensors (views of one host buffer), as `GraphEncoder.encode`."""
-        if self._host is None:
+        host = self._wait()
+        if host is None:
             return []
-        if self._event is not None:
-            self._event.synchronize()
         if self._sizes is not None:  # tokens per image
-            return list(torch.split(self._host, self._sizes))
-        outs = list(self._host.unbind(0))
+            return list(torch.split(host, self._sizes))
+        outs = list(host.unbind(0))
         return l2_normalize(outs) if self._l2 else outs
 
 
-class PendingLLM:
+class PendingLLM(_Pending):
     """`encode_llm` whose device work may still run; `result()` waits and splits per image."""
 
     def __init__(self, host, event, sizes: list[int], layers: int, grid: list[list[int]], timestamps=None):
-        self._host, self._event, self._sizes, self._layers, self._grid = host, event, sizes, layers, grid
+        super().__init__(host, event)
+        self._sizes, self._layers, self._grid = sizes, layers, grid
         self._timestamps = timestamps  # per item, a Qwen3-VL video's seconds per temporal patch, else None
 
-    def done(self) -> bool:
-        return self._event is None or self._event.query()
-
     def result(self) -> list[LLMOutput]:
-        if self._host is None:
+        host = self._wait()
+        if host is None:
             return []
-        if self._event is not None:
-            self._event.synchronize()
         # host: [(1 + layers) * total, out_dim]: tokens, then each DeepStack layer, each packed per image
-        planes = self._host.view(1 + self._layers, -1, self._host.shape[-1]).unbind(0)
+        planes = host.view(1 + self._layers, -1, host.shape[-1]).unbind(0)
         split = [torch.split(p, self._sizes) for p in planes]
         stamps = self._timestamps or [None] * len(self._sizes)
         return [
@@ -92,22 +102,17 @@ class PendingLLM:
         ]
 
 
-class PendingText:
+class PendingText(_Pending):
     """`encode_text_ids` whose device work may still run; `result()` waits and pools per text."""
 
     def __init__(self, host: torch.Tensor | None, event, pooling: str):
-        self._host, self._event, self._pooling = host, event, pooling
-
-    def done(self) -> bool:
-        return self._event is None or self._event.query()
+        super().__init__(host, event)
+        self._pooling = pooling
 
     def result(self) -> list[torch.Tensor]:
         """Per text, one float32 CPU vector [out_dim], as `GraphEncoder.encode_text_ids`."""
-        if self._host is None:
-            return []
-        if self._event is not None:
-            self._event.synchronize()
-        return pool_text(self._host, self._pooling)
+        host = self._wait()
+        return [] if host is None else pool_text(host, self._pooling)
 
 
 class GraphEncoder:

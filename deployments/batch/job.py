@@ -161,28 +161,14 @@ def check_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfig) ->
         if set(schema.names) & {PART_COLUMN, ROW_COLUMN}:
             raise JobError(f"{path}: columns {PART_COLUMN}/{ROW_COLUMN} are reserved")
     kinds = [image_column_kind(s.field(cfg.image_column).type) for s in schemas]
-    for path, schema, kind in zip(paths, schemas, kinds, strict=True):
+    for path, kind in zip(paths, kinds, strict=True):
         if kind != kinds[0]:
             held = {"bytes": "encoded images", "path": "file paths", "struct": "Hugging Face Image structs"}
             raise JobError(
                 f"{path}: column {cfg.image_column!r} holds {held[kind]} but in {paths[0]} it holds "
                 f"{held[kinds[0]]}; run one job per kind"
             )
-        try:
-            pa.unify_schemas([schemas[0], schema], promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError, NotImplementedError) as exc:
-            raise JobError(f"{path}: its columns do not fit those of {paths[0]} ({exc})") from None
-    id_column = cfg.id_column if cfg.id_column and cfg.id_column in schemas[0].names else None
-    if cfg.id_column and id_column is None and cfg.id_column != "id":
-        raise JobError(f"no id column {cfg.id_column!r} in the input; columns: {', '.join(schemas[0].names)}")
-    if id_column == cfg.image_column:  # the output keeps every input column but the image column
-        raise JobError(
-            f"--id-column {id_column!r} is the image column, which the output does not keep; name another column"
-        )
-    for path, schema in zip(paths, schemas, strict=True):
-        if id_column is not None and id_column not in schema.names:
-            raise JobError(f"{path}: no id column {id_column!r} (the other inputs have it)")
-    return id_column
+    return fitting_id_column(paths, schemas, cfg, cfg.image_column, "image")
 
 
 def check_text_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfig) -> str | None:
@@ -194,6 +180,13 @@ def check_text_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfi
             raise JobError(f"{path}: {exc}") from None
         if set(schema.names) & {PART_COLUMN, ROW_COLUMN}:
             raise JobError(f"{path}: columns {PART_COLUMN}/{ROW_COLUMN} are reserved")
+    return fitting_id_column(paths, schemas, cfg, cfg.text_column, "text")
+
+
+def fitting_id_column(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfig, item_column: str, what: str):
+    """The files' columns unified (Ray Data mixes their rows in blocks), then the id column: in every file, and not
+    the `what` column `item_column`, which the output does not keep; None for none. JobError names the file."""
+    for path, schema in zip(paths, schemas, strict=True):
         try:
             pa.unify_schemas([schemas[0], schema], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError, NotImplementedError) as exc:
@@ -201,9 +194,9 @@ def check_text_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfi
     id_column = cfg.id_column if cfg.id_column and cfg.id_column in schemas[0].names else None
     if cfg.id_column and id_column is None and cfg.id_column != "id":
         raise JobError(f"no id column {cfg.id_column!r} in the input; columns: {', '.join(schemas[0].names)}")
-    if id_column == cfg.text_column:
+    if id_column == item_column:  # the output keeps every input column but that one
         raise JobError(
-            f"--id-column {id_column!r} is the text column, which the output does not keep; name another column"
+            f"--id-column {id_column!r} is the {what} column, which the output does not keep; name another column"
         )
     for path, schema in zip(paths, schemas, strict=True):
         if id_column is not None and id_column not in schema.names:

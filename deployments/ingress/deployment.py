@@ -27,6 +27,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppArgs
+from deployments.ingress.cache import EncoderCache
 from deployments.ingress.decoding import IngressDecoder
 from deployments.ingress.encoder_calls import EncoderClient
 from deployments.ingress.handle_calls import HandleCalls
@@ -81,8 +82,10 @@ class VisionIngress:
             replica_id, lambda: self._admission.inflight + (self._admission.bytes > 0), grace_s=a.drain_grace_s
         )
         parts = (self._client, decoder, self._admission)
-        self._http = HttpRoutes(a, *parts, auth, self.telemetry, self._pool, self._drain)
-        self._handle = HandleCalls(a, *parts, self.telemetry, self._drain)
+        # encoder outputs by content, shared by both ways in (None: cache_mib 0, off)
+        self._cache = EncoderCache(a.cache_mib * 2**20, self.telemetry) if a.cache_mib else None
+        self._http = HttpRoutes(a, *parts, auth, self.telemetry, self._pool, self._drain, self._cache)
+        self._handle = HandleCalls(a, *parts, self.telemetry, self._drain, self._cache)
         logger.info(
             "vision ingress: API key %s, URL fetching %s, %d requests in flight at most, %gs per request, %s",
             "required" if auth.enabled else "off",
@@ -93,7 +96,9 @@ class VisionIngress:
         )  # fmt: skip
 
     # -- Python handle API ------------------------------------------------------------------------------------
-    async def embed(self, images=None, pooling: str | None = None, *, videos=None) -> list[np.ndarray]:
+    async def embed(
+        self, images=None, pooling: str | None = None, cache: bool = True, cache_uuids=None, *, videos=None
+    ) -> list[np.ndarray]:
         """Embeddings of `images` (a list of encoded bytes, PIL images, uint8 arrays, data URLs or base64
         strings; a single image is treated as a list of one): per image a float32 array, [out_dim] for
         pooling="mean", [tokens, out_dim] for "none". Raises `encoder.EncoderError` subclasses for bad
@@ -101,16 +106,28 @@ class VisionIngress:
         when the service is over capacity and `TimeoutError` past `request_timeout_s`. The per-image limits
         (encoded bytes, pixels, formats) apply; the per-request ones (images, patches) are HTTP's.
 
+        With the encoder cache on (`cache_mib`): `cache=False` bypasses it; `cache_uuids`, per image a key of the
+        caller's own (or None: its content is hashed), the same key always for the same image; handle callers share
+        one scope of keys, apart from HTTP's (docs/service.md#encoder-cache).
+
         `videos` (Qwen towers): encoded videos (MP4 / MOV, WebM / Matroska, AVI as bytes, a data URL or base64) or
         uint8 arrays [frames, H, W, 3] of every frame (taken at 24 fps), sampled and resized as the checkpoint's
         video processor within its limits (`describe()["video"]["limits"]`); their outputs follow the images',
-        in order: pooling="mean" is one vector per video. A bad video raises the encoder's error naming it
-        ("videos[1]: ..."): `VideoDecodeError`, `InvalidVideoError`, `VideoTooLargeError`, `DecodeTimeoutError`;
-        a tower without video a `RequestError` (code `video_not_supported`)."""
-        return await self._handle(images, pooling, None, videos=videos)
+        in order: pooling="mean" is one vector per video. Videos bypass the encoder cache (always decoded and
+        encoded). A bad video raises the encoder's error naming it ("videos[1]: ..."): `VideoDecodeError`,
+        `InvalidVideoError`, `VideoTooLargeError`, `DecodeTimeoutError`; a tower without video a `RequestError`
+        (code `video_not_supported`)."""
+        return await self._handle(images, pooling, None, videos=videos, cache=cache, cache_uuids=cache_uuids)
 
     async def embed_llm(
-        self, images=None, dtype: str | None = "float32", layout: str = "parts", *, videos=None
+        self,
+        images=None,
+        dtype: str | None = "float32",
+        layout: str = "parts",
+        cache: bool = True,
+        cache_uuids=None,
+        *,
+        videos=None,
     ) -> list[dict]:
         """What a VLM's LLM needs in place of its vision tower, per image (inputs, limits and errors as `embed`):
         `{"tokens": [n, out_dim], "deepstack": [[n, out_dim] per DeepStack layer, model order; [] for towers
@@ -120,33 +137,39 @@ class VisionIngress:
         `dtype=None` is float32. `layout="vllm"` (Qwen towers): per image `{"embeds": [n, out_dim * (1 + L)],
         "grid_thw": [t, h, w]}`, the tokens and the L DeepStack layers concatenated on the last axis in model
         order, the one tensor vLLM's Qwen models produce per image and take as `image_embeds`
-        (docs/llm-handoff.md); another tower is refused (`RequestError`, code `invalid_layout`).
+        (docs/llm-handoff.md); another tower is refused (`RequestError`, code `invalid_layout`). `cache`,
+        `cache_uuids`: as `embed`'s.
         `videos` as `embed`, after the images: a video's `grid_thw` has t > 1 (its temporal patches) and, for
         Qwen3-VL, `"timestamps"`: seconds per temporal patch, as the processor puts them in the prompt."""
-        wires = await self._handle(images, "none", dtype or "float32", layout, videos=videos)
+        wires = await self._handle(
+            images, "none", dtype or "float32", layout, videos=videos, cache=cache, cache_uuids=cache_uuids
+        )
         if layout == "vllm":
             return [vllm_item(w) for w in wires]
         return [handle_item(w) for w in wires]
 
-    async def write_ec_cache(self, images, uuids, dtype: str | None = None) -> list[dict]:
+    async def write_ec_cache(
+        self, images, uuids, dtype: str | None = None, cache: bool = True, cache_uuids=None
+    ) -> list[dict]:
         """Encode `images` and write each one's vLLM-layout tensor where vLLM's disk encoder-cache connector
         (`ECExampleConnector`, `shared_storage_path` = this service's `ec_cache_dir`) reads the encoder output of
         `mm_hash` = its uuid: `<ec_cache_dir>/<uuids[i]>/encoder_cache.safetensors`, key `ec_cache`, atomically.
         `uuids`: one per image, what the client will send vLLM as the item's `uuid`; letters, digits, `.`, `_`,
         `-`, `:`, not starting with `.`, distinct. `dtype`: the tensor's (None: the tower's own, bfloat16 on a
         GPU). Per image `{"object": "ec_cache", "index", "uuid", "path", "shape", "dtype", "grid_thw"}`. Raises
-        `RequestError` (codes `ec_cache_not_configured`, `invalid_uuid`, `invalid_layout`) and as `embed`."""
-        return await self._handle.ec_cache(images, uuids, dtype)
+        `RequestError` (codes `ec_cache_not_configured`, `invalid_uuid`, `invalid_layout`) and as `embed`. `cache`,
+        `cache_uuids`: as `embed`'s (the encoder cache; a hit still writes its file)."""
+        return await self._handle.ec_cache(images, uuids, dtype, cache, cache_uuids)
 
-    async def embed_text(self, texts, pooling: str | None = None) -> list[np.ndarray]:
+    async def embed_text(self, texts, pooling: str | None = None, cache: bool = True) -> list[np.ndarray]:
         """Embeddings of `texts` (a list of non-empty strings; one string is a list of one), for a model with a
         text tower (CLIP, SigLIP2 with their tokenizer files): per text a float32 array [out_dim], in the image
         embeddings' space. `pooling`: "model" (None: the model's text embedding) or "model-l2". A text longer than
         the tower's length is cut as the model's tokenizer cuts it. Raises `encoder.EncoderError` subclasses as
         `embed` does: an empty or non-string text (naming `texts[i]`), a model without text
         (`deployments.errors.RequestError`, code `text_not_supported`), an image-only pooling; over capacity and
-        time limit as `embed`."""
-        return await self._handle.text(texts, pooling)
+        time limit as `embed`. `cache=False` bypasses the encoder cache (texts are keyed by their string)."""
+        return await self._handle.text(texts, pooling, cache)
 
     async def info(self) -> dict:
         """The encoder's `describe()` as this ingress uses it (its preprocessing carries the decode limits)."""
@@ -167,6 +190,8 @@ class VisionIngress:
                 "decode_pids": self._decoder.pids(),
                 "replica_id": serve.get_replica_context().replica_id.unique_id,
                 "timings_ms": timings,
+                # the encoder cache: entries, bytes, max_bytes, evictions (None: off)
+                "cache": self._cache.snapshot() if self._cache is not None else None,
             }
         )
 

@@ -14,6 +14,7 @@ import time
 
 from deployments.config import AppArgs
 from deployments.errors import CLIENT_ERROR, classify, root_cause
+from deployments.ingress.cache import EncoderCache, check_cache_uuids, handed_out
 from deployments.ingress.decoding import IngressDecoder
 from deployments.ingress.encoder_calls import EncoderClient
 from deployments.ingress.lifecycle import EmbedOrder, Flight, Lifecycle
@@ -22,7 +23,7 @@ from deployments.llm_outputs import check_dtype
 from deployments.metrics import IngressTelemetry
 from deployments.shutdown import DrainWatch, ShuttingDownError
 from deployments.vllm_handoff import check_layout
-from encoder.errors import EncoderError
+from encoder.errors import EncoderError, InvalidArgumentError
 from encoder.poolings import check_pooling
 from encoder.tokenization import check_texts
 
@@ -49,19 +50,26 @@ class HandleCalls:
         admission: Admission,
         telemetry: IngressTelemetry,
         drain: DrainWatch | None = None,
+        cache: EncoderCache | None = None,
     ):
         self.args = args
-        self._lifecycle = Lifecycle(args, client, decoder, admission, telemetry, drain)
+        self._lifecycle = Lifecycle(args, client, decoder, admission, telemetry, drain, cache)
 
-    async def __call__(self, images, pooling: str | None, llm: str | None, layout: str = "parts", videos=None) -> list:
+    async def __call__(
+        self, images, pooling: str | None, llm: str | None, layout: str = "parts", videos=None, cache: bool = True,
+        cache_uuids=None,
+    ) -> list:  # fmt: skip
         """Per image, then per video, a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`
         (`layout` "vllm": its tokens and DeepStack layers concatenated, `vllm_handoff.vllm_wire`); a video's tuple
-        has its timestamps after the grid (None but for Qwen3-VL)."""
+        has its timestamps after the grid (None but for Qwen3-VL). `cache`: False bypasses the encoder cache;
+        `cache_uuids`: per image the caller's own cache key or None (handle callers are one scope); videos are
+        never cached (always decoded and encoded)."""
         started = time.perf_counter()
         if images is None:
             images = []
         elif not isinstance(images, list | tuple):
             images = [images]
+            cache_uuids = [cache_uuids] if isinstance(cache_uuids, str) else cache_uuids
         if videos is None:
             videos = []
         elif not isinstance(videos, list | tuple):
@@ -78,18 +86,21 @@ class HandleCalls:
             if llm is not None:
                 check_dtype(llm)
             check_layout(layout)
-            order = EmbedOrder(images[: len(images) - len(videos)], pooling, llm, layout=layout, videos=list(videos))
-            return await self._lifecycle.encode(flight, order)
+            n_images = len(images) - len(videos)
+            order = EmbedOrder(images[:n_images], pooling, llm, layout=layout, videos=list(videos), cache=_flag(cache),
+                               uuids=check_cache_uuids(cache_uuids, n_images, "cache_uuids"))  # fmt: skip
+            return [handed_out(x) for x in await self._lifecycle.encode(flight, order)]
 
         return await self._lifecycle.run("handle", len(images), body, _failed, started=started)
 
-    async def ec_cache(self, images, uuids, dtype: str | None) -> list[dict]:
+    async def ec_cache(self, images, uuids, dtype: str | None, cache: bool = True, cache_uuids=None) -> list[dict]:
         """Each image's vLLM-layout tensor written for vLLM's disk connector under `ec_cache_dir`, as
         `<uuid>/encoder_cache.safetensors` (`write_ec_cache`); per image `{"uuid", "path", "shape", "dtype",
         "grid_thw", ...}`. `dtype` None: the served tower's own."""
         started = time.perf_counter()
         if not isinstance(images, list | tuple):
             images, uuids = [images], [uuids] if isinstance(uuids, str) else uuids
+            cache_uuids = [cache_uuids] if isinstance(cache_uuids, str) else cache_uuids
         if self._lifecycle.refused_draining("handle", len(images), started):
             raise ShuttingDownError(retry_after_s=self.args.retry_after_s)
 
@@ -101,12 +112,13 @@ class HandleCalls:
                 return []
             wire = self._lifecycle.ec_cache_dtype(None if dtype is None else check_dtype(dtype),
                                                   await self._lifecycle.info())  # fmt: skip
-            order = EmbedOrder(list(images), "none", wire, layout="vllm")
+            order = EmbedOrder(list(images), "none", wire, layout="vllm", cache=_flag(cache),
+                               uuids=check_cache_uuids(cache_uuids, len(images), "cache_uuids"))  # fmt: skip
             return await self._lifecycle.write_ec_cache(flight, order, checked)
 
         return await self._lifecycle.run("handle", len(images), body, _failed, started=started)
 
-    async def text(self, texts, pooling: str | None) -> list:
+    async def text(self, texts, pooling: str | None, cache: bool = True) -> list:
         """Per text its float32 vector (`embed_text`): texts checked here (`InvalidArgumentError` naming
         `texts[i]`), then the same lifecycle as images."""
         started = time.perf_counter()
@@ -122,9 +134,16 @@ class HandleCalls:
             flight.enter()
             if pooling is not None:
                 check_pooling(pooling)
-            return await self._lifecycle.encode(flight, EmbedOrder([], pooling, texts=checked))
+            order = EmbedOrder([], pooling, texts=checked, cache=_flag(cache))
+            return [handed_out(x) for x in await self._lifecycle.encode(flight, order)]
 
         return await self._lifecycle.run("handle", n, body, _failed, started=started)
+
+
+def _flag(cache) -> bool:
+    if not isinstance(cache, bool):
+        raise InvalidArgumentError(f"cache must be True or False, not {type(cache).__name__}")
+    return cache
 
 
 def _failed(e: Exception, flight: Flight, expired: bool) -> tuple[BaseException, str]:

@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from deployments.config import AppArgs
 from deployments.errors import ErrorCode, RequestError, classify, shown
+from deployments.ingress.cache import EncoderCache
 from deployments.ingress.decoding import IngressDecoder
 from deployments.ingress.encoder_calls import EncoderClient
 from deployments.ingress.lifecycle import EmbedOrder, Flight, Lifecycle
@@ -85,9 +86,10 @@ class HttpRoutes:
         telemetry: IngressTelemetry,
         pool: ThreadPoolExecutor,
         drain: DrainWatch | None = None,
+        cache: EncoderCache | None = None,
     ):
         self.args, self._client, self._decoder = args, client, decoder
-        self._lifecycle = Lifecycle(args, client, decoder, admission, telemetry, drain)
+        self._lifecycle = Lifecycle(args, client, decoder, admission, telemetry, drain, cache)
         self._auth, self._telemetry, self._pool = auth, telemetry, pool
         self._model_name = args.model_name
         self._created = int(time.time())
@@ -107,7 +109,7 @@ class HttpRoutes:
         (model, image count), `Lifecycle.encode`, and the JSON answer; an error becomes an OpenAI error answer."""
         started = time.perf_counter()
         try:
-            self._auth.check(request.headers.get("authorization"))
+            scope = self._auth.check(request.headers.get("authorization"))  # whose cache uuids these are
         except RequestError as e:
             self._telemetry.request("http", "unauthorized", 0, 0, time.perf_counter() - started)
             return self._error(e)[0]
@@ -133,7 +135,8 @@ class HttpRoutes:
                 parsed, items = _parse(raw)
             del raw
             flight.n_images = len(items)
-            return Response(content=await self._embeddings(flight, parsed, items), media_type="application/json")
+            content = await self._embeddings(flight, parsed, items, scope)
+            return Response(content=content, media_type="application/json")
 
         def on_error(e: Exception, flight: Flight, expired: bool) -> tuple[Response, str]:
             if isinstance(e, ClientDisconnect):  # gone before its body arrived (e.g. short of its Content-Length)
@@ -149,7 +152,7 @@ class HttpRoutes:
 
         return await self._lifecycle.run("http", 0, body, on_error, self._trimmer.trim_after, started)
 
-    async def _embeddings(self, flight: Flight, body: EmbeddingRequest, items: Items) -> bytes:
+    async def _embeddings(self, flight: Flight, body: EmbeddingRequest, items: Items, scope: str = "open") -> bytes:
         a = self.args
         if body.model is not None and body.model != self._model_name:
             raise self._unknown_model(body.model)
@@ -181,7 +184,8 @@ class HttpRoutes:
             pooling = "none"
         order = EmbedOrder(
             items.images, pooling, dtype if pooling == "none" else None, body.dimensions, "input",
-            a.max_request_patches, items.texts, items.kinds, layout, list(items.videos),
+            a.max_request_patches, items.texts, items.kinds, layout, videos=list(items.videos), cache=body.cache,
+            uuids=getattr(items, "uuids", None), scope=scope,
         )  # fmt: skip
         if uuids is not None:
             written = await self._lifecycle.write_ec_cache(flight, order, uuids)

@@ -30,6 +30,7 @@ from typing import TypeVar
 from deployments.aio import gather_or_cancel
 from deployments.config import AppArgs
 from deployments.errors import DISCONNECTED, OK, OVERLOADED, ErrorCode, RequestError, text_off_error
+from deployments.ingress.cache import CacheKey, EncoderCache, Form, Lookup, image_keys, model_fingerprint, text_digest
 from deployments.ingress.decoding import IngressDecoder
 from deployments.ingress.encoder_calls import EncoderClient
 from deployments.ingress.limits import Admission, Ticket, check_request_patches
@@ -56,6 +57,9 @@ class EmbedOrder:
     layout: str = "parts"  # LLM outputs: "parts" (tokens, DeepStack apart) or "vllm" (one tensor, `vllm_handoff`)
     videos: list = field(default_factory=list)  # encoded videos or uint8 [frames, H, W, 3] arrays (Qwen towers)
     video_label: str = "videos"  # how errors name a video without kinds (handle calls)
+    cache: bool = True  # look images and texts up in the service's encoder cache and store them (when it has one)
+    uuids: list | None = None  # per image the client's own cache key or None (`cache.check_cache_uuids`)
+    scope: str = "handle"  # whose client keys they are: an HTTP request's API key identity, or "handle"
 
     def ordered(self, images: list, texts: list, videos: list | None = None) -> list:
         """The outputs of the images, videos and texts, in the order's item order."""
@@ -70,6 +74,24 @@ class EmbedOrder:
             return self.label if kind == "image" or self.kinds is not None else self.video_label
         positions = [i for i, k in enumerate(self.kinds) if k == kind]
         return lambda i: f"{self.label}[{positions[i]}]"
+
+
+def patch_counts(images: list, info: dict) -> list[int]:
+    """Each resized image's patches (as `EncoderClient.encode` counts them)."""
+    p = info["preprocess_config"].patch_size
+    return [(x.shape[0] // p) * (x.shape[1] // p) for x in images]
+
+
+def _admit_with(extra: int, max_patches: int | None, reserve: Callable[[int], None]) -> Callable[[int], None]:
+    """The decoder's patch admission of a request's images to decode, with the request's limit held against
+    them and `extra` patches it has apart from them (cache hits, videos); only the decoded images are reserved."""
+
+    def admit(total: int) -> None:
+        if max_patches is not None:
+            check_request_patches(total + extra, max_patches)
+        reserve(total)
+
+    return admit
 
 
 def text_info(info: dict, model_name: str, what: str = "text", enabled: bool = True) -> dict:
@@ -158,9 +180,11 @@ class Lifecycle:
         admission: Admission,
         telemetry: IngressTelemetry,
         drain: DrainWatch | None = None,
+        cache: EncoderCache | None = None,
     ):
         self.args, self._client, self._decoder = args, client, decoder
         self._admission, self._telemetry, self._drain = admission, telemetry, drain
+        self._cache, self._model_key = cache, None
 
     def refused_draining(self, route: str, n_images: int, started: float) -> bool:
         """True (and counted, outcome overloaded) while the service shuts down: the caller gets a 503."""
@@ -229,43 +253,61 @@ class Lifecycle:
         if order.images or order.videos:
             pooling = resolve_pooling(order.pooling, info, self.args.model_name)
             self._check_dimensions(order.dimensions, info["output_dims"][pooling], pooling)
-        if text is not None:
-            reserve(len(order.texts) * text["seq_len"])  # what they hold on the device: the tower's fixed length
+        # Images and texts are looked up in the encoder cache (when it is on and not bypassed); videos never are:
+        # they are always decoded and encoded (their outputs are not stored), so their results, timestamps and
+        # errors are video-serve's whatever the cache holds.
+        lookup = await self._lookup(order, info, pooling if order.images else None,
+                                    text_pooling if text is not None else None)  # fmt: skip
+        image_items, texts = order.images, order.texts
+        if lookup is not None:
+            image_items, texts = lookup.misses("image", image_items), lookup.misses("text", texts)
+        if text is not None and texts:
+            reserve(len(texts) * text["seq_len"])  # what they hold on the device: the tower's fixed length
         videos, video_patches = await self._videos(order, info, reserve)
-        if order.images:
+        hit_patches = lookup.hit_patches if lookup is not None else 0
+        if image_items:
             pp = info["preprocess_config"]
-
-            def admit(n: int) -> None:  # the request's patch limit counts its videos' too
-                if order.max_patches is not None:
-                    check_request_patches(n + video_patches, order.max_patches)
-                reserve(n)
-
-            images = await self._decoder.prepare(order.images, pp, order.image_label(), None, admit)
+            label, max_patches, admit = order.image_label(), order.max_patches, reserve
+            if hit_patches:
+                label = lookup.miss_label(label)
+            if hit_patches or video_patches:  # the request's patch limit counts its hits' and videos' too
+                max_patches, admit = None, _admit_with(hit_patches + video_patches, order.max_patches, reserve)
+            images = await self._decoder.prepare(image_items, pp, label, max_patches, admit)
+        elif hit_patches and order.max_patches is not None:  # every image a hit: the request's limit
+            check_request_patches(hit_patches + video_patches, order.max_patches)
+        n_images = len(images) if images is not None else 0
         arrays = (images or []) + [frames for frames, _ in videos]
         encode_at = time.perf_counter()
         deadline = time.time() + self.args.request_timeout_s - flight.elapsed()
         calls = []
         if arrays:
             calls.append(self._client.encode(arrays, pooling, order.llm, deadline))
-        if text is not None:
-            calls.append(self._client.encode_texts(order.texts, text_pooling, deadline))
-        results = await (calls[0] if len(calls) == 1 else gather_or_cancel(calls))
+        if text is not None and texts:
+            calls.append(self._client.encode_texts(texts, text_pooling, deadline))
+        results = [] if not calls else await (calls[0] if len(calls) == 1 else gather_or_cancel(calls))
         if len(calls) == 1:
             results = [results]
+        counts = [] if images is None or lookup is None else patch_counts(images, info)
         del images, arrays
-        image_out, video_out, text_out = [], [], []
-        if order.images or order.videos:
+        image_out, video_out, text_out, tokens = [], [], [], []
+        if image_items or videos:
             image_out, flight.patches = results[0]
             if order.llm is not None and videos:  # a video's LLM outputs carry its timestamps after the grid
-                n = len(order.images)
-                image_out = image_out[:n] + [(*w, s) for w, (_, s) in zip(image_out[n:], videos, strict=True)]
+                stamped = [(*w, s) for w, (_, s) in zip(image_out[n_images:], videos, strict=True)]
+                image_out = image_out[:n_images] + stamped
             if order.layout == "vllm":
                 image_out = [vllm_wire(w) for w in image_out]
-            image_out, video_out = image_out[: len(order.images)], image_out[len(order.images) :]
-        if text is not None:
+            image_out, video_out = image_out[:n_images], image_out[n_images:]
+        if text is not None and texts:
             answered = results[-1]
-            text_out = [vec for vec, _ in answered]
-            flight.text_tokens = sum(n for _, n in answered)
+            text_out, tokens = [vec for vec, _ in answered], [n for _, n in answered]
+            flight.text_tokens = sum(tokens)
+        if lookup is not None:  # the hits' stored outputs in their places, the misses stored
+            if order.images:
+                image_out, image_patches = lookup.finish("image", image_out, counts)
+                flight.patches = image_patches + video_patches
+            if text is not None:
+                text_out, flight.text_tokens = lookup.finish("text", text_out, tokens)
         flight.phases.update(decode=encode_at - decode_at, encode=time.perf_counter() - encode_at)
         return order.ordered(image_out, text_out, video_out)
 
@@ -288,6 +330,23 @@ class Lifecycle:
             check_request_patches(patches, order.max_patches)
         reserve(patches)
         return videos, patches
+
+    async def _lookup(self, order: EmbedOrder, info: dict, pooling: str | None, text_pooling: str | None):
+        """The order's items against the encoder cache (`cache.Lookup`); None when it is off or bypassed."""
+        if self._cache is None or not order.cache:
+            return None
+        if self._model_key is None:
+            self._model_key = model_fingerprint(info, self.args)
+        model = self._model_key
+        keys = []
+        if order.images:
+            form = Form("image", pooling, order.llm, order.layout)
+            keys = await image_keys(model, form, order.images, order.uuids, order.scope, self.args.max_image_bytes)
+        text_keys = []
+        if text_pooling is not None:
+            form = Form("text", text_pooling)
+            text_keys = [CacheKey(model, form, ("sha256", text_digest(t))) for t in order.texts]
+        return Lookup(self._cache, keys, text_keys)
 
     async def info(self) -> dict:
         """The encoder's facts (`EncoderClient.info`: fetched once)."""

@@ -29,6 +29,7 @@ from deployments.errors import (
     root_cause,
     shown,
 )
+from deployments.ingress.cache import check_cache_uuid
 from deployments.llm_outputs import EMBEDDING_DTYPES, to_wire
 from deployments.vllm_handoff import LAYOUTS
 from encoder.errors import EncoderError
@@ -100,6 +101,12 @@ class ImageInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     image: str
+    uuid: str | None = Field(
+        None,
+        description="Extension: the client's own key for this image in the service's encoder cache (1 to 256 "
+        "characters), used instead of hashing its bytes: the same uuid must always mean the same image. Scoped by the "
+        "API key the request presents: another key's uuid never reads this one's entries.",
+    )
 
 
 class VideoInput(BaseModel):
@@ -168,6 +175,12 @@ class EmbeddingRequest(BaseModel):
         "starting with '.', distinct (else 400 invalid_uuid); a service without ec_cache_dir answers 400 "
         "ec_cache_not_configured. The file's dtype: embedding_dtype when given, else the served tower's own.",
     )
+    cache: bool = Field(
+        True,
+        strict=True,
+        description="Extension: false answers without the service's encoder cache (cache_mib): nothing is looked up "
+        "or stored. Without a cache it changes nothing.",
+    )
     user: str | None = None
 
 
@@ -189,7 +202,8 @@ class _Parsed(EmbeddingRequest):
 
 class Items(NamedTuple):
     """A request's `input` split by kind: the images and the texts, each in order, and the kind of every item
-    (`kinds[i]`, "image", "text" or "video": item i is the next one of its kind)."""
+    (`kinds[i]`, "image", "text" or "video": item i is the next one of its kind). `input_items` also sets
+    `uuids`: per image its cache `uuid` or None (None: no image has one; videos have none: they bypass the cache)."""
 
     images: list[str]
     texts: list[str]
@@ -204,6 +218,12 @@ class Items(NamedTuple):
         return [i for i, k in enumerate(self.kinds) if k == kind]
 
 
+class _Items(Items):
+    """`Items` with the images' cache uuids (an attribute: the tuple stays the three lists)."""
+
+    uuids: list[str | None] | None = None
+
+
 def _json_type(value: Any) -> str:
     names = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
@@ -214,12 +234,16 @@ def input_items(value: str | list, input_type: str = "image") -> Items:
     "text" or "image". RequestError: 422 invalid_schema for another object or a non-string image, 400
     invalid_text for a text that is not a non-empty string; both name the item (`input[2]`)."""
     values = [value] if isinstance(value, str) else value
-    images, texts, kinds, videos = [], [], [], []
+    images, texts, kinds, videos, uuids = [], [], [], [], []
     for i, item in enumerate(values):
         where = "input" if isinstance(value, str) else f"input[{i}]"
+        uuid = None
         if isinstance(item, str):
             kind, payload = input_type, item
         else:
+            if "uuid" in item and "image" in item and len(item) == 2:  # {"image": ..., "uuid": ...}
+                item = dict(item)
+                uuid = check_cache_uuid(item.pop("uuid"), f"{where}.uuid")
             if len(item) != 1 or next(iter(item)) not in INPUT_TYPES:
                 keys = ", ".join(shown(k, 30) for k in list(item)[:5]) or "none"
                 raise RequestError(
@@ -244,8 +268,11 @@ def input_items(value: str | list, input_type: str = "image") -> Items:
             videos.append(payload)
         else:
             images.append(payload)
+            uuids.append(uuid)
         kinds.append(kind)
-    return Items(images, texts, kinds, videos)
+    items = _Items(images, texts, kinds, videos)
+    items.uuids = uuids if any(u is not None for u in uuids) else None
+    return items
 
 
 def unknown_fields_error(names: list[str]) -> RequestError:

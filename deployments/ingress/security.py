@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import os
 import re
@@ -24,6 +25,8 @@ from encoder.errors import ConfigError
 
 # ------------------------------------------------------------------------------------------ API key
 
+OPEN = "open"  # the identity of every caller of a service without an API key
+
 
 class ApiKeyAuth:
     """Checks `Authorization: Bearer <key>` when a key is configured; a no-op otherwise."""
@@ -32,6 +35,7 @@ class ApiKeyAuth:
         if key and (why := api_key_problem(key)):  # the environment's key; the argument was checked already
             raise ConfigError(f"{API_KEY_ENV}: {why}")
         self._key = key.encode() if key else None
+        self._identity = "key:" + hashlib.sha256(self._key).hexdigest()[:32] if self._key else OPEN
 
     @classmethod
     def from_args(cls, args: AppArgs, environ=os.environ) -> ApiKeyAuth:
@@ -41,10 +45,11 @@ class ApiKeyAuth:
     def enabled(self) -> bool:
         return self._key is not None
 
-    def check(self, authorization: str | None) -> None:
-        """Raise RequestError 401 unless `authorization` (the header's value) carries the key."""
+    def check(self, authorization: str | None) -> str:
+        """Raise RequestError 401 unless `authorization` (the header's value) carries the key; the caller's identity
+        (`identity`): what scopes its own cache keys (`deployments.ingress.cache`)."""
         if self._key is None:
-            return
+            return OPEN
         if not authorization:
             raise RequestError(
                 "missing API key: send the header 'Authorization: Bearer <key>'", ErrorCode.MISSING_API_KEY, None
@@ -58,6 +63,13 @@ class ApiKeyAuth:
         # Constant time in the key's length; the token's own length is the caller's to know.
         if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._key):
             raise RequestError("incorrect API key", ErrorCode.INVALID_API_KEY, None)
+        return self._identity
+
+    @property
+    def identity(self) -> str:
+        """Who a request that passed `check` is: "open" without a key, else "key:" and a digest of the key (never
+        the key itself). One key per service today: its holders are one tenant."""
+        return self._identity
 
 
 # ------------------------------------------------------------------------------------------ image URLs

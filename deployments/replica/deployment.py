@@ -302,6 +302,7 @@ class EncoderReplica:
         vision = self.engine.encoder
         return {
             "model": vision.name,
+            "model_info": vision.model_info(),  # its source: kind, path, Hub revision and commit (the cache's key)
             "family": vision.config.family,  # the tower family (e.g. qwen3_vl): which LLM hand-offs apply
             "out_dim": vision.out_dim,
             "vector_pooling": self.vector_pooling,
