@@ -24,6 +24,9 @@ from encoder.errors import (
     ImageTooLargeError,
     InvalidArgumentError,
     InvalidImageError,
+    InvalidVideoError,
+    VideoDecodeError,
+    VideoTooLargeError,
 )
 
 # OpenAI error types
@@ -62,6 +65,8 @@ class ErrorCode(Enum):
     INVALID_EMBEDDING_DTYPE = ("invalid_embedding_dtype", 400, _INVALID, CLIENT_ERROR)
     INVALID_TEXT = ("invalid_text", 400, _INVALID, CLIENT_ERROR)  # a text item empty or not a string
     TEXT_NOT_SUPPORTED = ("text_not_supported", 400, _INVALID, CLIENT_ERROR)  # the served model has no text tower
+    INVALID_VIDEO = ("invalid_video", 400, _INVALID, CLIENT_ERROR)  # not a video we decode, truncated, no frames
+    VIDEO_NOT_SUPPORTED = ("video_not_supported", 400, _INVALID, CLIENT_ERROR)  # the served tower takes no video
     # `embedding_layout` "vllm" where it makes no sense (a non-Qwen tower, a pooling other than "none", texts)
     INVALID_LAYOUT = ("invalid_layout", 400, _INVALID, CLIENT_ERROR)
     # an `ec_cache_uuids` entry that is no safe directory name, a repeated one, or a count unlike the images'
@@ -79,6 +84,7 @@ class ErrorCode(Enum):
     REQUEST_TIMEOUT = ("request_timeout", 408, _INVALID, TIMED_OUT)
     # -- over a limit (413), of a kind not read (415), against the schema (422) --------------------------------
     IMAGE_TOO_LARGE = ("image_too_large", 413, _INVALID, CLIENT_ERROR)
+    VIDEO_TOO_LARGE = ("video_too_large", 413, _INVALID, CLIENT_ERROR)  # over a video limit (`VideoLimits`)
     IMAGE_TOO_COMPLEX = ("image_too_complex", 413, _INVALID, CLIENT_ERROR)  # structure over a limit (JPEG scans...)
     IMAGE_DECODE_TIMEOUT = ("image_decode_timeout", 413, _INVALID, CLIENT_ERROR)  # its decode overran the deadline
     TOO_MANY_IMAGES = ("too_many_images", 413, _INVALID, CLIENT_ERROR)
@@ -182,6 +188,10 @@ def classify(exc: BaseException) -> Classified:
     exc = root_cause(exc)
     if isinstance(exc, RequestError):
         return Classified(exc.error, exc.param)
+    if isinstance(exc, VideoTooLargeError):
+        return Classified(ErrorCode.VIDEO_TOO_LARGE, "input")
+    if isinstance(exc, VideoDecodeError | InvalidVideoError):
+        return Classified(ErrorCode.INVALID_VIDEO, "input")
     if isinstance(exc, DecodeTimeoutError):
         return Classified(ErrorCode.IMAGE_DECODE_TIMEOUT, "input")
     if isinstance(exc, ImageTooComplexError):

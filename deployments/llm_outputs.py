@@ -109,5 +109,6 @@ def wire_outputs(outputs, dtype: str) -> list[WireLLM]:
 
 def handle_item(wire: WireLLM) -> dict:
     """The handle API's per-image dict: `{"tokens", "deepstack", "grid_thw"}`."""
-    tokens, deepstack, grid = wire
-    return {"tokens": tokens, "deepstack": list(deepstack), "grid_thw": list(grid)}
+    tokens, deepstack, grid, *stamps = wire  # a video's: its timestamps after the grid (Qwen3-VL; else None)
+    item = {"tokens": tokens, "deepstack": list(deepstack), "grid_thw": list(grid)}
+    return item | {"timestamps": stamps[0]} if stamps and stamps[0] is not None else item

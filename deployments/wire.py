@@ -36,7 +36,7 @@ import numpy as np
 class EncodeRequest:
     """One request's images and the output they want (see the module docstring)."""
 
-    arrays: list[np.ndarray]  # uint8 [H, W, 3], sides multiples of patch_size * merge_size
+    arrays: list[np.ndarray]  # uint8 [H, W, 3] (a video: [n, H, W, 3]), sides multiples of patch_size * merge_size
     counts: list[int]  # patches per image
     pooling: str  # resolved (the ingress resolves a request's None to the service's vector pooling)
     llm: str | None = None  # LLM-ready outputs in this wire dtype (`deployments.llm_outputs`) instead of pooling
@@ -66,6 +66,14 @@ class EncodeRequest:
         if self.llm is not None:
             return "encode_llm_pixels", {"dtype": self.llm, **size}
         return "encode_pixels", {"pooling": self.pooling, **size}
+
+
+def patch_count(x: np.ndarray, patch_size: int, temporal_patch_size: int = 1) -> int:
+    """Patches of one resized item: an image uint8 [H, W, 3] (H/P x W/P), or a video's sampled frames uint8
+    [n, H, W, 3] (ceil(n / T) x H/P x W/P: an odd count is padded with the last frame, as the video processor)."""
+    if x.ndim == 4:
+        return -(-x.shape[0] // temporal_patch_size) * (x.shape[1] // patch_size) * (x.shape[2] // patch_size)
+    return (x.shape[0] // patch_size) * (x.shape[1] // patch_size)
 
 
 class Group(NamedTuple):

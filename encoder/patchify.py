@@ -120,12 +120,33 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def stack_patchify(arrays: list[np.ndarray], cfg: ProcessorConfig, device: torch.device) -> PatchBatch:
+def stack_patchify(arrays: list[np.ndarray], cfg: ProcessorConfig, device: torch.device, video_cfg=None) -> PatchBatch:
     """Upload and patchify on `device`; consecutive images of equal width go through one `patchify`.
 
     Stacking images vertically keeps each image's merge blocks contiguous and in order (its block rows
-    come before the next image's), so one call equals the concatenation of per-image calls.
+    come before the next image's), so one call equals the concatenation of per-image calls. With `video_cfg`
+    (an `encoder.preprocessing.video.VideoPreprocessConfig`), uint8 [n, h, w, 3] arrays among them are videos'
+    sampled, resized frames: each goes through `patchify_video` (its grid row t > 1), in the items' order.
     """
+    if video_cfg is not None and any(a.ndim == 4 for a in arrays):
+        parts, grids, i = [], [], 0
+        while i < len(arrays):
+            if arrays[i].ndim == 4:
+                frames = arrays[i]
+                parts.append(patchify_video(upload([frames], device), video_cfg))
+                t = -(-frames.shape[0] // video_cfg.temporal_patch_size)
+                grids.append(torch.tensor([[t, frames.shape[1] // video_cfg.patch_size,
+                                            frames.shape[2] // video_cfg.patch_size]]))  # fmt: skip
+                i += 1
+                continue
+            j = i
+            while j < len(arrays) and arrays[j].ndim != 4:
+                j += 1
+            images = stack_patchify(arrays[i:j], cfg, device)
+            parts.append(images.pixel_values)
+            grids.append(images.grid_thw)
+            i = j
+        return PatchBatch(torch.cat(parts), torch.cat(grids).to(torch.int64))
     parts, start = [], 0
     while start < len(arrays):
         end = start + 1

@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         help="embed this string column with the model's text tower instead of images (CLIP / SigLIP2 checkpoints "
         "with their tokenizer files; --pooling model or model-l2); a null or empty text is an error row",
     )
+    p.add_argument(
+        "--video-column",
+        default=None,
+        help="embed this column's videos instead of images (Qwen towers): binary (encoded MP4 / WebM / AVI...) or "
+        "string (local paths); a bad video is an error row",
+    )
     p.add_argument("--id-column", default="id", help="column naming rows in the summary (default: id, if present)")
     p.add_argument("--model", default="tiny", help="preset, checkpoint directory or Hub id org/name[@rev]")
     p.add_argument(

@@ -25,6 +25,7 @@ from deployments.batch.columns import (
     EC_CACHE,
     EMBEDDING,
     ERROR,
+    FRAMES,
     GRID_H,
     GRID_T,
     GRID_THW,
@@ -47,7 +48,7 @@ from deployments.vllm_handoff import check_uuid, check_vllm_model, write_ec_cach
 from encoder.attention import graph_token_cap
 from encoder.errors import InvalidArgumentError
 from encoder.patch_batch import PatchBatch
-from encoder.patchify import patchify
+from encoder.patchify import patchify, patchify_video
 from encoder.preprocessing.config import ProcessorConfig
 from workspace.buckets import BucketKey, BucketTable
 from workspace.graph_encoder import GraphEncoder
@@ -180,11 +181,15 @@ class EncoderActor:
         counts = table.column(PATCHES).to_numpy(zero_copy_only=False)
         heights = table.column(HEIGHT).to_numpy(zero_copy_only=False)
         widths = table.column(WIDTH).to_numpy(zero_copy_only=False)
+        # a video job's rows: their sampled frames (`decode.decode_video_batch`); 0 for an image
+        frames = table.column(FRAMES).to_numpy(zero_copy_only=False) if FRAMES in table.column_names else None
         results: dict[int, torch.Tensor] = {}
         if ok:
             rows = _pixel_rows(table.column(PIXELS), self.device)
 
             def image(i: int) -> torch.Tensor:
+                if frames is not None and frames[i]:
+                    return rows[i].view(int(frames[i]), int(heights[i]), int(widths[i]), 3)
                 return rows[i].view(int(heights[i]), int(widths[i]), 3)
 
             order = [
@@ -205,7 +210,17 @@ class EncoderActor:
         while start < len(order):  # one patchify per run of equal sizes: a vertical stack of images
             end = start + 1
             size = (heights[order[start]], widths[order[start]])
+            first = image(order[start])
+            if first.dim() == 4:  # a video's frames: its own patchify (`patchify_video`), its grid t > 1
+                vcfg = self.vision.video_config
+                parts.append(patchify_video(first, vcfg))
+                t = -(-first.shape[0] // vcfg.temporal_patch_size)
+                grid.append((t, int(size[0]) // p, int(size[1]) // p))
+                start = end
+                continue
             while end < len(order) and (heights[order[end]], widths[order[end]]) == size:
+                if image(order[end]).dim() == 4:  # a video ends the run of images
+                    break
                 end += 1
             run = [image(i) for i in order[start:end]]
             parts.append(patchify(run[0] if len(run) == 1 else torch.cat(run), self.pp))

@@ -30,7 +30,8 @@ PIXELS = "_ve_pixels"  # large_binary: uint8 H*W*3, row-major RGB, at the model'
 HEIGHT = "_ve_height"  # int32: resized height (multiple of patch_size * merge_size)
 WIDTH = "_ve_width"  # int32
 PATCHES = "_ve_patches"  # int32: patches (grid t*h*w) of the resized image; 0 for error rows
-INTERNAL = (PIXELS, HEIGHT, WIDTH, PATCHES)
+FRAMES = "_ve_frames"  # int32, video jobs only: the sampled frames in PIXELS (n*H*W*3); 0 for error rows
+INTERNAL = (PIXELS, HEIGHT, WIDTH, PATCHES, FRAMES)
 
 # Output columns.
 EMBEDDING = "embedding"

@@ -17,7 +17,7 @@ import pyarrow as pa
 from PIL import Image
 
 import encoder
-from deployments.batch.columns import ERROR, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
+from deployments.batch.columns import ERROR, FRAMES, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
 from deployments.batch.image_files import DEFAULT_MAX_IMAGE_BYTES, read_image_file, resolve
 from encoder.errors import InvalidArgumentError
 from encoder.preprocessing.config import ProcessorConfig
@@ -98,11 +98,16 @@ def decode_batch(
     pp: ProcessorConfig,
     path_root: str | None,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    video_cfg=None,
 ) -> pa.Table:
     """Decode + resize one batch; returns the non-image columns plus pixels, sizes, patches and `error`.
 
-    Never raises for a bad image: its row gets pixels = null, patches = 0 and the reason in `error`.
+    Never raises for a bad image: its row gets pixels = null, patches = 0 and the reason in `error`. With
+    `video_cfg` (a `VideoPreprocessConfig`: a `--video-column` job) the column holds videos, decoded with PyAV
+    within its limits and sampled and resized as the video processor (`decode_video_batch`).
     """
+    if video_cfg is not None:
+        return decode_video_batch(table, video_column=image_column, vcfg=video_cfg, path_root=path_root)
     # A Ray worker of ours: the same Pillow hardening as the ingress (a refused bomb is its row's `error`, not a
     # warning too; PNG text chunks capped at 8 MiB). Idempotent, so once per batch is once per process in effect.
     harden_pillow(pp.max_image_pixels)
@@ -132,6 +137,44 @@ def decode_batch(
     out = out.append_column(HEIGHT, pa.array(heights, type=pa.int32()))
     out = out.append_column(WIDTH, pa.array(widths, type=pa.int32()))
     out = out.append_column(PATCHES, pa.array(patches, type=pa.int32()))
+    return out.append_column(ERROR, pa.array(errors, type=pa.string()))
+
+
+def decode_video_batch(table: pa.Table, *, video_column: str, vcfg, path_root: str | None) -> pa.Table:
+    """`decode_batch` of a video column: per row its sampled, resized frames (uint8 n*H*W*3 in PIXELS, n in
+    FRAMES), their patches (`cfg.grid`: ceil(n / T) x H/P x W/P); a bad video (unreadable, truncated, no frames,
+    over a limit) is an error row."""
+    from deployments.wire import patch_count
+    from encoder.preprocessing.video_decode import load_video  # PyAV: only in video jobs' decode tasks
+
+    check_input_schema(table.schema, video_column)
+    kind = image_column_kind(table.schema.field(video_column).type)
+    pixels: list[bytes | None] = []
+    frames, heights, widths, patches, errors = [], [], [], [], []
+    for value in table.column(video_column).to_pylist():
+        try:
+            prepared = load_video(_image_bytes(value, kind, path_root, vcfg.limits.max_bytes), vcfg)
+        except Exception as exc:  # a bad row must never fail the job (PyAV raises many types)
+            pixels.append(None)
+            frames.append(0)
+            heights.append(0)
+            widths.append(0)
+            patches.append(0)
+            errors.append(describe_error(exc, _named_path(value, kind)))
+            continue
+        array = prepared.frames
+        pixels.append(array.tobytes())
+        frames.append(array.shape[0])
+        heights.append(array.shape[1])
+        widths.append(array.shape[2])
+        patches.append(patch_count(array, vcfg.patch_size, vcfg.temporal_patch_size))
+        errors.append(None)
+    out = table.drop_columns([video_column])
+    out = out.append_column(PIXELS, pa.array(pixels, type=pa.large_binary()))
+    out = out.append_column(HEIGHT, pa.array(heights, type=pa.int32()))
+    out = out.append_column(WIDTH, pa.array(widths, type=pa.int32()))
+    out = out.append_column(PATCHES, pa.array(patches, type=pa.int32()))
+    out = out.append_column(FRAMES, pa.array(frames, type=pa.int32()))
     return out.append_column(ERROR, pa.array(errors, type=pa.string()))
 
 

@@ -48,6 +48,8 @@ from deployments.batch.model_facts import (
     preprocess_config_for,
     resolve_pooling,
     rows_per_batch,
+    typical_video_patches,
+    video_config_for,
 )
 from deployments.batch.options import JobConfig
 from deployments.batch.pipeline import embed_dataset
@@ -127,6 +129,7 @@ def job_params(cfg: JobConfig, files: list[InputFile], part_rows: int) -> dict:
         "image_column": cfg.image_column,
         # only when set, as quantization below
         **({"text_column": cfg.text_column} if cfg.text_column else {}),
+        **({"video_column": cfg.video_column} if cfg.video_column else {}),
         "model": model,
         "pooling": cfg.pooling,
         "dtype": cfg.dtype,
@@ -233,6 +236,8 @@ def run_job(cfg: JobConfig) -> JobSummary:
         else:
             if cfg.vllm:  # Qwen towers only; the per-token outputs
                 check_vllm_model(config_for(cfg.model).family, cfg.model, "--layout")
+            if cfg.video_column is not None:  # a tower without video: refused here, before Ray starts
+                video_config_for(cfg.model)
             pooling = resolve_pooling("none" if cfg.vllm else cfg.pooling, cfg.model)
             cfg = cfg.model_copy(update={"pooling": pooling})
             if cfg.ec_cache_dir is not None:  # the actors may run elsewhere: an absolute path
@@ -334,9 +339,12 @@ class PartsRunner:
         if batch_size is None and cfg.text_column is not None:
             batch_size = text_rows_per_batch()
         if batch_size is None:
-            values, typ = head_values(self.files[todo[0].file], cfg.image_column)
-            pp = preprocess_config_for(cfg.model)
-            typical = typical_patches_of(values, image_column_kind(typ), pp, cfg.path_root)
+            if cfg.video_column is not None:  # no header tells a video's sampled size: the processor's budget
+                typical = cfg.typical_patches or typical_video_patches(video_config_for(cfg.model))
+            else:
+                values, typ = head_values(self.files[todo[0].file], cfg.image_column)
+                pp = preprocess_config_for(cfg.model)
+                typical = typical_patches_of(values, image_column_kind(typ), pp, cfg.path_root)
             plan = plan_for_actors(cfg.model, gpus, cfg.buckets, cfg.dtype, cfg.attention)
             batch_size = rows_per_batch(plan, typical)
         actors = {"num_gpus": actors_for(gpus, rows, batch_size)}

@@ -42,6 +42,27 @@ def preprocess_config_for(model: str) -> ProcessorConfig:
     return model_preprocess_config(source.config, source.path)
 
 
+def video_config_for(model: str):
+    """The model's video processor (`encoder.api.video_config_for`: the checkpoint's settings, or transformers'
+    defaults), driver side; InvalidArgumentError for a tower without video."""
+    from encoder.api import video_config_for as model_video_config
+    from encoder.errors import InvalidArgumentError
+
+    source = resolved(model)
+    vcfg = model_video_config(source.config, source.path)
+    if vcfg is None:
+        raise InvalidArgumentError(
+            f"model {model!r} takes no video: video needs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 tower"
+        )
+    return vcfg
+
+
+def typical_video_patches(vcfg) -> int:
+    """A video's patches for sizing batches when not given (`--typical-patches`): the processor's pixel budget
+    (Qwen3-VL: over all sampled frames; Qwen2-VL: of one frame) in patches, at least one frame pair's."""
+    return max(vcfg.max_pixels // vcfg.patch_size**2, vcfg.temporal_patch_size * vcfg.merge_size**2)
+
+
 def deepstack_layers(config: VisionConfig) -> int:
     """DeepStack layers of a tower (0 for towers without: Qwen2/2.5-VL, Qwen3.5, CLIP, SigLIP)."""
     return len(getattr(config, "deepstack_visual_indexes", None) or ())

@@ -30,6 +30,12 @@ class EmbedOptions(BaseModel):
         description="Embed this string column with the model's text tower instead of the image column (CLIP, "
         "SigLIP2 checkpoints with their tokenizer files); pooling 'model' (default) or 'model-l2'.",
     )
+    video_column: str | None = Field(
+        None,
+        description="Embed this column's videos (Qwen towers) instead of images: encoded bytes (binary) or local "
+        "file paths (string), sampled and resized as the checkpoint's video processor within its video limits; a "
+        "bad video is an error row. Sets image_column to it (the stages read that column).",
+    )
     # None, as the CLI and the HTTP API default: the model's own embedding ('model' for CLIP / SigLIP, else 'mean')
     pooling: str | None = Field(None, description="None: the model's default embedding ('model' for CLIP / SigLIP).")
     batch_size: int | None = Field(
@@ -72,6 +78,15 @@ class EmbedOptions(BaseModel):
     uuid_column: str | None = Field(
         None, description="With ec_cache_dir: the string column holding each row's uuid (vLLM's mm_hash)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _video_column_is_the_column(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("video_column") is not None:
+            if data.get("text_column") is not None:
+                raise ValueError("video_column and text_column are two jobs; give one")
+            data = {**data, "image_column": data["video_column"]}
+        return data
 
     @model_validator(mode="after")
     def _check_quantization(self) -> EmbedOptions:

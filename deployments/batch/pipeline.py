@@ -24,6 +24,8 @@ from deployments.batch.model_facts import (
     resolve_pooling,
     resolved,
     rows_per_batch,
+    typical_video_patches,
+    video_config_for,
 )
 from deployments.batch.options import EmbedOptions
 from deployments.vllm_handoff import check_vllm_model
@@ -42,7 +44,8 @@ def arrow_schema(schema) -> pa.Schema | None:
 
 def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     """Embed the images of `ds[image_column]` (or, with `text_column`, the texts of that string column, in the
-    images' embedding space: `deployments.batch.texts`); returns a lazy `ray.data.Dataset`.
+    images' embedding space: `deployments.batch.texts`; with `video_column`, the videos of that column: Qwen
+    towers, `decode.decode_video_batch`); returns a lazy `ray.data.Dataset`.
 
     The parameters are `EmbedOptions`' fields, given as keywords (`model="tiny", pooling="mean"`) or as one
     `EmbedOptions` (a batch job passes its `JobConfig`).
@@ -99,6 +102,9 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     plan = plan_for_actors(model, gpus, o.buckets, o.dtype, o.attention)
     root = str(Path.cwd()) if o.path_root is None else str(o.path_root)
     batch_size, typical_patches = o.batch_size, o.typical_patches
+    video_cfg = video_config_for(model) if o.video_column is not None else None  # refused for a tower without
+    if video_cfg is not None and typical_patches is None:
+        typical_patches = typical_video_patches(video_cfg)
     if batch_size is None:
         if typical_patches is None:
             sample = ds.select_columns([image_column]).limit(32).take_batch(32, batch_format="pyarrow")
@@ -115,7 +121,13 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
         decode_batch,
         batch_format="pyarrow",
         batch_size=None,
-        fn_kwargs={"image_column": image_column, "pp": pp, "path_root": root, "max_image_bytes": o.max_image_bytes},
+        fn_kwargs={
+            "image_column": image_column,
+            "pp": pp,
+            "path_root": root,
+            "max_image_bytes": o.max_image_bytes,
+            **({"video_cfg": video_cfg} if video_cfg is not None else {}),
+        },  # fmt: skip
         num_cpus=o.decode_cpus,
         compute=decode_compute,
         udf_modifying_row_count=False,

@@ -62,25 +62,37 @@ def decode_resized(data: bytes, cfg: ProcessorConfig) -> np.ndarray:
     return cfg.resize(load_image(data, cfg))
 
 
+def decode_video_frames(data: bytes, cfg) -> tuple[np.ndarray, list[float] | None]:
+    """A video pool's decode (`cfg`: a `VideoPreprocessConfig`, its limits included): the sampled frames resized,
+    uint8 [n, h, w, 3], and Qwen3-VL's timestamps (`encoder.preprocessing.video_decode.load_video`)."""
+    from encoder.preprocessing.video_decode import load_video  # PyAV: only in the processes that decode videos
+
+    prepared = load_video(data, cfg)
+    return prepared.frames, prepared.timestamps
+
+
 def _serve(conn, decode_fn: Callable, cfg) -> None:
     """A worker's main loop: bytes in, ('ok', shape) + pixel bytes or an error tuple out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     # A fresh process (forkserver) has Pillow's defaults: the ingress's hardening (PNG text chunks 8 MiB, not
     # 64; `cfg.max_image_pixels` decides, quietly) must be set here too, or the larger pictures the pool
     # decodes escaped the text-chunk cap that the small ones decoded in the ingress got.
-    harden_pillow(cfg.max_image_pixels)
+    harden_pillow(getattr(cfg, "max_image_pixels", None))  # a video pool's config has no image limits
     try:
         conn.send(("ready",))
         while True:
             data = conn.recv_bytes()
             try:
-                pixels = np.ascontiguousarray(decode_fn(data, cfg), dtype=np.uint8)
+                pixels, meta = decode_fn(data, cfg), None
+                if isinstance(pixels, tuple):  # (pixels, picklable facts about them): a video's timestamps
+                    pixels, meta = pixels
+                pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
             except EncoderError as e:
                 conn.send(("error", type(e), str(e)))
             except Exception as e:  # noqa: BLE001 - a bug in the decode function: reported, the worker lives on
                 conn.send(("bug", type(e).__name__, reason(e)))
             else:
-                conn.send(("ok", pixels.shape))
+                conn.send(("ok", pixels.shape) if meta is None else ("ok", pixels.shape, meta))
                 conn.send_bytes(pixels.reshape(-1))
     # The pool closed the pipe (EOFError) or its process died: a reset (ConnectionResetError, when it left a
     # message of ours unread, as a replica stopped by Ctrl-C does) or a broken pipe on our answer. Nobody is
@@ -218,7 +230,7 @@ class DecodePool:
             ) from e
         self._release(w)
         if reply[0] == "ok":
-            return pixels
+            return pixels if len(reply) == 2 else (pixels, reply[2])
         if reply[0] == "error":
             raise reply[1](reply[2])
         raise RuntimeError(f"decode function failed: {reply[1]}: {reply[2]}")

@@ -34,13 +34,14 @@ import numpy as np
 
 from deployments.aio import gather_or_cancel
 from deployments.errors import with_index
-from deployments.ingress.decode_pool import DecodePool, decode_resized
-from deployments.ingress.inputs import Opened, finish_input, is_url, open_input, source_pixels
+from deployments.ingress.decode_pool import DecodePool, decode_resized, decode_video_frames
+from deployments.ingress.inputs import Opened, finish_input, is_url, open_input, parse_video_string, source_pixels
 from deployments.ingress.limits import check_request_patches
 from deployments.ingress.security import UrlFetcher
 from deployments.metrics import RecentTimings
-from encoder.errors import EncoderError
+from encoder.errors import EncoderError, InvalidVideoError, VideoTooLargeError
 from encoder.preprocessing.config import ProcessorConfig
+from encoder.preprocessing.video import prepare_frames
 
 # A single input this small (encoded bytes / base64 text, or uint8 array bytes) is opened on the event loop,
 # and decoded there too when it has at most _INLINE_DECODE_PIXELS pixels (see the module docstring).
@@ -75,6 +76,7 @@ class IngressDecoder:
         self._pool, self._urls, self._max_bytes, self._timings = pool, urls, max_image_bytes, timings
         self._processes, self._timeout_s = processes, timeout_s
         self._procs: DecodePool | None = None
+        self._video_procs: DecodePool | None = None  # videos' (PyAV), started with the first video
         self._procs_lock = asyncio.Lock()
         self._warming: asyncio.Task | None = None
 
@@ -99,11 +101,14 @@ class IngressDecoder:
 
     def pids(self) -> list[int]:
         """The decode processes' pids (none before the first request that needed them)."""
-        return self._procs.pids if self._procs is not None else []
+        pools = (self._procs, self._video_procs)
+        return [pid for pool in pools if pool is not None for pid in pool.pids]
 
     def close(self) -> None:
         if self._procs is not None:
             self._procs.close()
+        if self._video_procs is not None:
+            self._video_procs.close()
 
     async def _fetch_urls(self, images: list, label: str | Callable[[int], str]) -> list:
         """Allowlisted image URLs -> their bytes (concurrently); other inputs unchanged. Without an allowlist
@@ -136,6 +141,53 @@ class IngressDecoder:
             return await asyncio.get_running_loop().run_in_executor(self._pool, finish_input, o, pp)
         except EncoderError as e:
             raise with_index(e, _where(label, i)) from None
+
+    async def _video_pool(self, vcfg) -> DecodePool:
+        """The video decode processes (`decode_processes` of them, started with the first video): PyAV decodes
+        within the video limits, and a decode past `max_decode_s` is killed with its worker."""
+        if self._video_procs is None:
+            async with self._procs_lock:
+                if self._video_procs is None:
+                    start = partial(
+                        DecodePool, self._processes, cfg=vcfg, decode_fn=decode_video_frames,
+                        preload=("encoder.preprocessing.video", "ray"),
+                    )  # fmt: skip
+                    self._video_procs = await asyncio.get_running_loop().run_in_executor(self._pool, start)
+        return self._video_procs
+
+    async def prepare_videos(
+        self, videos: list, vcfg, label: str | Callable[[int], str]
+    ) -> list[tuple[np.ndarray, list[float] | None]]:
+        """Per video its sampled, resized frames (uint8 [n, h, w, 3]) and Qwen3-VL's timestamps (else None), as
+        the model's video processor (`vcfg`, a `VideoPreprocessConfig` with its `limits`): encoded videos (bytes,
+        data URLs, base64) decoded in the video decode processes, killed past `max_decode_s` (+1 s); frame arrays
+        (uint8 [frames, H, W, 3], taken at 24 fps) sampled and resized in the thread pool. Errors name the
+        video's position; one failure cancels the rest."""
+        loop = asyncio.get_running_loop()
+        limits = vcfg.limits
+
+        async def one(i: int, x: Any) -> tuple[np.ndarray, list[float] | None]:
+            try:
+                if isinstance(x, str):
+                    x = parse_video_string(x, limits.max_bytes)
+                if isinstance(x, bytes | bytearray | memoryview):
+                    if len(x) > limits.max_bytes:
+                        raise VideoTooLargeError(
+                            f"video is {len(x)} bytes, over the limit max_bytes={limits.max_bytes}"
+                        )
+                    procs = await self._video_pool(vcfg)
+                    return await procs.decode_async(bytes(x), limits.max_decode_s + 1.0)
+                if isinstance(x, np.ndarray):
+                    prepared = await loop.run_in_executor(self._pool, prepare_frames, x, None, vcfg)
+                    return prepared.frames, prepared.timestamps
+                raise InvalidVideoError(
+                    f"unsupported video type {type(x).__name__}; expected encoded bytes, a data URL or base64 "
+                    "string, or a uint8 array [frames, height, width, 3]"
+                )
+            except EncoderError as e:
+                raise with_index(e, _where(label, i)) from None
+
+        return await gather_or_cancel(one(i, x) for i, x in enumerate(videos))
 
     async def prepare(
         self,

@@ -50,6 +50,12 @@ _OPENAPI_BODY = {
 }
 
 
+def vllm_item(wire) -> dict:
+    """The handle's per-item dict of the vLLM layout: `{"embeds", "grid_thw"}`, a video's `"timestamps"` too."""
+    item = {"embeds": wire[0], "grid_thw": list(wire[2])}
+    return item | {"timestamps": wire[3]} if len(wire) > 3 and wire[3] is not None else item
+
+
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api)
 class VisionIngress:
@@ -90,20 +96,38 @@ class VisionIngress:
         )  # fmt: skip
 
     # -- Python handle API ------------------------------------------------------------------------------------
-    async def embed(self, images, pooling: str | None = None, cache: bool = True, cache_uuids=None) -> list[np.ndarray]:
+    async def embed(
+        self, images=None, pooling: str | None = None, cache: bool = True, cache_uuids=None, *, videos=None
+    ) -> list[np.ndarray]:
         """Embeddings of `images` (a list of encoded bytes, PIL images, uint8 arrays, data URLs or base64
         strings; a single image is treated as a list of one): per image a float32 array, [out_dim] for
         pooling="mean", [tokens, out_dim] for "none". Raises `encoder.EncoderError` subclasses for bad
         inputs (the message names the position, e.g. "images[3]: ..."), `ray.serve.exceptions.BackPressureError`
         when the service is over capacity and `TimeoutError` past `request_timeout_s`. The per-image limits
         (encoded bytes, pixels, formats) apply; the per-request ones (images, patches) are HTTP's.
+
         With the encoder cache on (`cache_mib`): `cache=False` bypasses it; `cache_uuids`, per image a key of the
         caller's own (or None: its content is hashed), the same key always for the same image; handle callers share
-        one scope of keys, apart from HTTP's (docs/service.md#encoder-cache)."""
-        return await self._handle(images, pooling, None, cache=cache, cache_uuids=cache_uuids)
+        one scope of keys, apart from HTTP's (docs/service.md#encoder-cache).
+
+        `videos` (Qwen towers): encoded videos (MP4 / MOV, WebM / Matroska, AVI as bytes, a data URL or base64) or
+        uint8 arrays [frames, H, W, 3] of every frame (taken at 24 fps), sampled and resized as the checkpoint's
+        video processor within its limits (`describe()["video"]["limits"]`); their outputs follow the images',
+        in order: pooling="mean" is one vector per video. Videos bypass the encoder cache (always decoded and
+        encoded). A bad video raises the encoder's error naming it ("videos[1]: ..."): `VideoDecodeError`,
+        `InvalidVideoError`, `VideoTooLargeError`, `DecodeTimeoutError`; a tower without video a `RequestError`
+        (code `video_not_supported`)."""
+        return await self._handle(images, pooling, None, videos=videos, cache=cache, cache_uuids=cache_uuids)
 
     async def embed_llm(
-        self, images, dtype: str | None = "float32", layout: str = "parts", cache: bool = True, cache_uuids=None
+        self,
+        images=None,
+        dtype: str | None = "float32",
+        layout: str = "parts",
+        cache: bool = True,
+        cache_uuids=None,
+        *,
+        videos=None,
     ) -> list[dict]:
         """What a VLM's LLM needs in place of its vision tower, per image (inputs, limits and errors as `embed`):
         `{"tokens": [n, out_dim], "deepstack": [[n, out_dim] per DeepStack layer, model order; [] for towers
@@ -114,10 +138,14 @@ class VisionIngress:
         "grid_thw": [t, h, w]}`, the tokens and the L DeepStack layers concatenated on the last axis in model
         order, the one tensor vLLM's Qwen models produce per image and take as `image_embeds`
         (docs/llm-handoff.md); another tower is refused (`RequestError`, code `invalid_layout`). `cache`,
-        `cache_uuids`: as `embed`'s."""
-        wires = await self._handle(images, "none", dtype or "float32", layout, cache=cache, cache_uuids=cache_uuids)
+        `cache_uuids`: as `embed`'s.
+        `videos` as `embed`, after the images: a video's `grid_thw` has t > 1 (its temporal patches) and, for
+        Qwen3-VL, `"timestamps"`: seconds per temporal patch, as the processor puts them in the prompt."""
+        wires = await self._handle(
+            images, "none", dtype or "float32", layout, videos=videos, cache=cache, cache_uuids=cache_uuids
+        )
         if layout == "vllm":
-            return [{"embeds": w[0], "grid_thw": list(w[2])} for w in wires]
+            return [vllm_item(w) for w in wires]
         return [handle_item(w) for w in wires]
 
     async def write_ec_cache(

@@ -54,8 +54,9 @@ from deployments.llm_outputs import wire_itemsize
 from deployments.metrics import IngressTelemetry
 from deployments.ray_compat import by_reference, call_with_request_id, new_request_id
 from deployments.routing.progress import ReplicaProgress, ReplicaStalledError, no_progress_message, progress_for
-from deployments.wire import EncodeRequest, TextRequest, group
+from deployments.wire import EncodeRequest, TextRequest, group, patch_count
 from encoder.preprocessing.families import preprocess_config_from_dump
+from encoder.preprocessing.video import VideoPreprocessConfig
 
 logger = logging.getLogger("ray.serve")
 T = TypeVar("T")
@@ -230,6 +231,8 @@ class EncoderClient:
                     info["preprocess_config"] = ingress_preprocess_config(
                         model_pp, self.args.max_image_pixels, self.args.image_formats
                     )
+                    video = info.get("video")  # the video processor (Qwen towers), else None
+                    info["video_config"] = None if video is None else VideoPreprocessConfig.model_validate(video)
                     self._info = info
         return self._info
 
@@ -254,8 +257,9 @@ class EncoderClient:
         `pooling`: resolved (the lifecycle's). `deadline` (`time.time()`): the request's, sent along so the
         encoder drops the work once it passed."""
         info = await self.info()
-        p = info["preprocess_config"].patch_size
-        request = EncodeRequest(arrays, [(x.shape[0] // p) * (x.shape[1] // p) for x in arrays], pooling, llm, deadline)
+        p, video = info["preprocess_config"].patch_size, info.get("video_config")
+        tps = video.temporal_patch_size if video is not None else 1
+        request = EncodeRequest(arrays, [patch_count(x, p, tps) for x in arrays], pooling, llm, deadline)
         return await self._request(request, info), request.patches
 
     async def encode_texts(self, texts: list[str], pooling: str, deadline: float | None = None) -> list:

@@ -56,16 +56,25 @@ class HandleCalls:
         self._lifecycle = Lifecycle(args, client, decoder, admission, telemetry, drain, cache)
 
     async def __call__(
-        self, images, pooling: str | None, llm: str | None, layout: str = "parts", cache: bool = True,
+        self, images, pooling: str | None, llm: str | None, layout: str = "parts", videos=None, cache: bool = True,
         cache_uuids=None,
     ) -> list:  # fmt: skip
-        """Per image a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm` (`layout` "vllm":
-        its tokens and DeepStack layers concatenated, `vllm_handoff.vllm_wire`). `cache`: False bypasses the
-        encoder cache; `cache_uuids`: per image the caller's own cache key or None (handle callers are one scope)."""
+        """Per image, then per video, a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`
+        (`layout` "vllm": its tokens and DeepStack layers concatenated, `vllm_handoff.vllm_wire`); a video's tuple
+        has its timestamps after the grid (None but for Qwen3-VL). `cache`: False bypasses the encoder cache;
+        `cache_uuids`: per image the caller's own cache key or None (handle callers are one scope); videos are
+        never cached (always decoded and encoded)."""
         started = time.perf_counter()
-        if not isinstance(images, list | tuple):
+        if images is None:
+            images = []
+        elif not isinstance(images, list | tuple):
             images = [images]
             cache_uuids = [cache_uuids] if isinstance(cache_uuids, str) else cache_uuids
+        if videos is None:
+            videos = []
+        elif not isinstance(videos, list | tuple):
+            videos = [videos]
+        images = [*images, *videos]  # counted together below; split again for the order
         if self._lifecycle.refused_draining("handle", len(images), started):  # 503, come back elsewhere
             raise ShuttingDownError(retry_after_s=self.args.retry_after_s)
 
@@ -77,8 +86,9 @@ class HandleCalls:
             if llm is not None:
                 check_dtype(llm)
             check_layout(layout)
-            order = EmbedOrder(list(images), pooling, llm, layout=layout, cache=_flag(cache),
-                               uuids=check_cache_uuids(cache_uuids, len(images), "cache_uuids"))  # fmt: skip
+            n_images = len(images) - len(videos)
+            order = EmbedOrder(images[:n_images], pooling, llm, layout=layout, videos=list(videos), cache=_flag(cache),
+                               uuids=check_cache_uuids(cache_uuids, n_images, "cache_uuids"))  # fmt: skip
             return [handed_out(x) for x in await self._lifecycle.encode(flight, order)]
 
         return await self._lifecycle.run("handle", len(images), body, _failed, started=started)

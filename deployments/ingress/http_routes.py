@@ -167,6 +167,9 @@ class HttpRoutes:
         dtype, layout, pooling = body.embedding_dtype, body.embedding_layout, body.pooling
         uuids = None
         if body.ec_cache_uuids is not None:
+            if items.videos:
+                raise RequestError("encoder-cache files are of images; this request has video items",
+                                   ErrorCode.INVALID_REQUEST, "ec_cache_uuids")  # fmt: skip
             uuids = self._lifecycle.check_ec_cache(body.ec_cache_uuids, len(items.images), bool(items.texts),
                                                    "ec_cache_uuids")  # fmt: skip
             if "embedding_layout" in body.model_fields_set and layout != "vllm":
@@ -181,7 +184,8 @@ class HttpRoutes:
             pooling = "none"
         order = EmbedOrder(
             items.images, pooling, dtype if pooling == "none" else None, body.dimensions, "input",
-            a.max_request_patches, items.texts, items.kinds, layout, body.cache, getattr(items, "uuids", None), scope,
+            a.max_request_patches, items.texts, items.kinds, layout, videos=list(items.videos), cache=body.cache,
+            uuids=getattr(items, "uuids", None), scope=scope,
         )  # fmt: skip
         if uuids is not None:
             written = await self._lifecycle.write_ec_cache(flight, order, uuids)
@@ -189,7 +193,7 @@ class HttpRoutes:
             return ec_cache_body(written, self._model_name, flight.patches)
         vectors = await self._lifecycle.encode(flight, order)
         answer_at = time.perf_counter()
-        # usage.prompt_tokens: the images' patches and the texts' real tokens (pads not counted)
+        # usage.prompt_tokens: the images' and videos' patches and the texts' real tokens (pads not counted)
         args = (vectors, body.encoding_format, self._model_name, flight.patches + flight.text_tokens, dtype)
         if _answer_cost(vectors, body.encoding_format) > _ANSWER_INLINE:  # keep big encodes off the event loop
             content = await asyncio.get_running_loop().run_in_executor(self._pool, embeddings_body, *args)

@@ -21,7 +21,7 @@ import pybase64
 from PIL import Image
 
 from deployments.errors import ErrorCode, RequestError
-from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, reason
+from encoder.errors import ImageDecodeError, ImageTooLargeError, InvalidImageError, VideoTooLargeError, reason
 from encoder.preprocessing.config import ProcessorConfig
 from encoder.preprocessing.image_guard import check_structure
 from encoder.preprocessing.images import (
@@ -104,6 +104,33 @@ def parse_image_string(text: str, max_bytes: int | None = None) -> tuple[bytes, 
     if max_bytes is not None and len(data) > max_bytes:
         raise image_too_large(len(data), max_bytes)
     return data, media or None
+
+
+def parse_video_string(text: str, max_bytes: int) -> bytes:
+    """A video as a data URL (`data:video/mp4;base64,...`) or bare base64 -> its encoded bytes, within `max_bytes`
+    (`VideoLimits.max_bytes`: 413 `video_too_large`, estimated from the base64 length before decoding). URLs:
+    400 (videos are not fetched)."""
+    if text[:5].lower() == "data:":
+        header, comma, payload = text.partition(",")
+        if not comma or len(header) > 256:
+            raise RequestError("malformed data URL: no ',' within 256 characters", ErrorCode.INVALID_DATA_URL)
+        media, *params = (p.strip().lower() for p in header[5:].split(";"))
+        if "base64" not in params:
+            raise RequestError("data URLs must be base64-encoded ('data:video/mp4;base64,...')",
+                               ErrorCode.INVALID_DATA_URL)  # fmt: skip
+        if media and not media.startswith("video/") and media != "application/octet-stream":
+            raise RequestError(f"unsupported media type {media!r}; send a video", ErrorCode.UNSUPPORTED_MEDIA_TYPE)
+        text = payload
+    elif is_url(text):
+        raise RequestError("video URLs are not fetched by this service; send a data URL or base64 video",
+                           ErrorCode.INVALID_IMAGE_URL)  # fmt: skip
+    if (len(text) * 3) // 4 > max_bytes + max_bytes // 16 + 16:
+        raise VideoTooLargeError(f"video is about {(len(text) * 3) // 4} bytes (from its base64 length), over the "
+                                 f"limit max_bytes={max_bytes}")  # fmt: skip
+    data = decode_base64(text)
+    if len(data) > max_bytes:
+        raise VideoTooLargeError(f"video is {len(data)} bytes, over the limit max_bytes={max_bytes}")
+    return data
 
 
 # ------------------------------------------------------------------------------------------ header checks

@@ -37,6 +37,7 @@ from deployments.ingress.limits import Admission, Ticket, check_request_patches
 from deployments.metrics import IngressTelemetry
 from deployments.shutdown import DrainWatch
 from deployments.vllm_handoff import check_uuids, check_vllm_model, ec_cache_item, vllm_wire, write_ec_cache
+from deployments.wire import patch_count
 
 T = TypeVar("T")
 
@@ -54,22 +55,24 @@ class EmbedOrder:
     texts: list[str] = field(default_factory=list)  # checked: non-empty strings
     kinds: list[str] | None = None  # per item "image" or "text", the answer's order; None: the images, then texts
     layout: str = "parts"  # LLM outputs: "parts" (tokens, DeepStack apart) or "vllm" (one tensor, `vllm_handoff`)
-    cache: bool = True  # look items up in the service's encoder cache and store them there (when it has one)
+    videos: list = field(default_factory=list)  # encoded videos or uint8 [frames, H, W, 3] arrays (Qwen towers)
+    video_label: str = "videos"  # how errors name a video without kinds (handle calls)
+    cache: bool = True  # look images and texts up in the service's encoder cache and store them (when it has one)
     uuids: list | None = None  # per image the client's own cache key or None (`cache.check_cache_uuids`)
     scope: str = "handle"  # whose client keys they are: an HTTP request's API key identity, or "handle"
 
-    def ordered(self, images: list, texts: list) -> list:
-        """The outputs of the images and of the texts, in the order's item order."""
+    def ordered(self, images: list, texts: list, videos: list | None = None) -> list:
+        """The outputs of the images, videos and texts, in the order's item order."""
         if self.kinds is None:
-            return images + texts
-        by_kind = {"image": iter(images), "text": iter(texts)}
+            return images + (videos or []) + texts
+        by_kind = {"image": iter(images), "text": iter(texts), "video": iter(videos or [])}
         return [next(by_kind[k]) for k in self.kinds]
 
-    def image_label(self):
-        """How errors name image i: `label[i]`, or with kinds its position among all the items."""
-        if self.kinds is None or "text" not in self.kinds:
-            return self.label
-        positions = [i for i, k in enumerate(self.kinds) if k == "image"]
+    def image_label(self, kind: str = "image"):
+        """How errors name image (or video) i: `label[i]`, or with kinds its position among all the items."""
+        if self.kinds is None or set(self.kinds) <= {kind}:
+            return self.label if kind == "image" or self.kinds is not None else self.video_label
+        positions = [i for i, k in enumerate(self.kinds) if k == kind]
         return lambda i: f"{self.label}[{positions[i]}]"
 
 
@@ -77,6 +80,18 @@ def patch_counts(images: list, info: dict) -> list[int]:
     """Each resized image's patches (as `EncoderClient.encode` counts them)."""
     p = info["preprocess_config"].patch_size
     return [(x.shape[0] // p) * (x.shape[1] // p) for x in images]
+
+
+def _admit_with(extra: int, max_patches: int | None, reserve: Callable[[int], None]) -> Callable[[int], None]:
+    """The decoder's patch admission of a request's images to decode, with the request's limit held against
+    them and `extra` patches it has apart from them (cache hits, videos); only the decoded images are reserved."""
+
+    def admit(total: int) -> None:
+        if max_patches is not None:
+            check_request_patches(total + extra, max_patches)
+        reserve(total)
+
+    return admit
 
 
 def text_info(info: dict, model_name: str, what: str = "text", enabled: bool = True) -> dict:
@@ -223,7 +238,7 @@ class Lifecycle:
         """Per item of `order` its output: pooling resolved, images decoded (patches admitted), texts admitted by
         tokens, the encoder calls with the request's deadline. Records the decode and encode phases, the
         request's patches and its texts' tokens."""
-        if not order.images and not order.texts:
+        if not order.images and not order.texts and not order.videos:
             return []
         info = await self._client.info()
         if order.layout == "vllm":
@@ -235,9 +250,12 @@ class Lifecycle:
         if text is not None:
             text_pooling = resolve_text_pooling(order.pooling, text)
             self._check_dimensions(order.dimensions, text["output_dims"][text_pooling], text_pooling)
-        if order.images:
+        if order.images or order.videos:
             pooling = resolve_pooling(order.pooling, info, self.args.model_name)
             self._check_dimensions(order.dimensions, info["output_dims"][pooling], pooling)
+        # Images and texts are looked up in the encoder cache (when it is on and not bypassed); videos never are:
+        # they are always decoded and encoded (their outputs are not stored), so their results, timestamps and
+        # errors are video-serve's whatever the cache holds.
         lookup = await self._lookup(order, info, pooling if order.images else None,
                                     text_pooling if text is not None else None)  # fmt: skip
         image_items, texts = order.images, order.texts
@@ -245,42 +263,73 @@ class Lifecycle:
             image_items, texts = lookup.misses("image", image_items), lookup.misses("text", texts)
         if text is not None and texts:
             reserve(len(texts) * text["seq_len"])  # what they hold on the device: the tower's fixed length
+        videos, video_patches = await self._videos(order, info, reserve)
+        hit_patches = lookup.hit_patches if lookup is not None else 0
         if image_items:
             pp = info["preprocess_config"]
             label, max_patches, admit = order.image_label(), order.max_patches, reserve
-            if lookup is not None and lookup.hit_patches:
-                label, max_patches, admit = lookup.miss_label(label), None, lookup.admit(max_patches, reserve)
+            if hit_patches:
+                label = lookup.miss_label(label)
+            if hit_patches or video_patches:  # the request's patch limit counts its hits' and videos' too
+                max_patches, admit = None, _admit_with(hit_patches + video_patches, order.max_patches, reserve)
             images = await self._decoder.prepare(image_items, pp, label, max_patches, admit)
-        elif lookup is not None and order.max_patches is not None:  # every image a hit: the request's limit
-            check_request_patches(lookup.hit_patches, order.max_patches)
+        elif hit_patches and order.max_patches is not None:  # every image a hit: the request's limit
+            check_request_patches(hit_patches + video_patches, order.max_patches)
+        n_images = len(images) if images is not None else 0
+        arrays = (images or []) + [frames for frames, _ in videos]
         encode_at = time.perf_counter()
         deadline = time.time() + self.args.request_timeout_s - flight.elapsed()
         calls = []
-        if images is not None:
-            calls.append(self._client.encode(images, pooling, order.llm, deadline))
+        if arrays:
+            calls.append(self._client.encode(arrays, pooling, order.llm, deadline))
         if text is not None and texts:
             calls.append(self._client.encode_texts(texts, text_pooling, deadline))
         results = [] if not calls else await (calls[0] if len(calls) == 1 else gather_or_cancel(calls))
         if len(calls) == 1:
             results = [results]
         counts = [] if images is None or lookup is None else patch_counts(images, info)
-        del images
-        image_out, text_out, tokens = [], [], []
-        if image_items:
+        del images, arrays
+        image_out, video_out, text_out, tokens = [], [], [], []
+        if image_items or videos:
             image_out, flight.patches = results[0]
+            if order.llm is not None and videos:  # a video's LLM outputs carry its timestamps after the grid
+                stamped = [(*w, s) for w, (_, s) in zip(image_out[n_images:], videos, strict=True)]
+                image_out = image_out[:n_images] + stamped
             if order.layout == "vllm":
                 image_out = [vllm_wire(w) for w in image_out]
+            image_out, video_out = image_out[:n_images], image_out[n_images:]
         if text is not None and texts:
             answered = results[-1]
             text_out, tokens = [vec for vec, _ in answered], [n for _, n in answered]
             flight.text_tokens = sum(tokens)
         if lookup is not None:  # the hits' stored outputs in their places, the misses stored
             if order.images:
-                image_out, flight.patches = lookup.finish("image", image_out, counts)
+                image_out, image_patches = lookup.finish("image", image_out, counts)
+                flight.patches = image_patches + video_patches
             if text is not None:
                 text_out, flight.text_tokens = lookup.finish("text", text_out, tokens)
         flight.phases.update(decode=encode_at - decode_at, encode=time.perf_counter() - encode_at)
-        return order.ordered(image_out, text_out)
+        return order.ordered(image_out, text_out, video_out)
+
+    async def _videos(self, order: EmbedOrder, info: dict, reserve: Callable[[int], None]) -> tuple[list, int]:
+        """The order's videos decoded (`IngressDecoder.prepare_videos`: per video its frames and timestamps) and
+        their patches (`cfg.grid` of the sampled frames) checked against the request's limit and reserved; 400
+        `video_not_supported` for a tower without a video processor."""
+        if not order.videos:
+            return [], 0
+        vcfg = info.get("video_config")
+        if vcfg is None:
+            raise RequestError(
+                f"the served model {self.args.model_name!r} takes no video: video needs a Qwen2-VL, Qwen2.5-VL, "
+                "Qwen3-VL or Qwen3.5 tower",
+                ErrorCode.VIDEO_NOT_SUPPORTED, "input",
+            )  # fmt: skip
+        videos = await self._decoder.prepare_videos(order.videos, vcfg, order.image_label("video"))
+        patches = sum(patch_count(f, vcfg.patch_size, vcfg.temporal_patch_size) for f, _ in videos)
+        if order.max_patches is not None:
+            check_request_patches(patches, order.max_patches)
+        reserve(patches)
+        return videos, patches
 
     async def _lookup(self, order: EmbedOrder, info: dict, pooling: str | None, text_pooling: str | None):
         """The order's items against the encoder cache (`cache.Lookup`); None when it is off or bypassed."""

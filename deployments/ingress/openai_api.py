@@ -109,7 +109,18 @@ class ImageInput(BaseModel):
     )
 
 
-INPUT_TYPES = ("image", "text")
+class VideoInput(BaseModel):
+    """An `input` item that is a video (Qwen towers): `{"video": "data:video/mp4;base64,..."}` (or bare base64)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    video: str = Field(
+        description="MP4 / MOV, WebM / Matroska or AVI (H.264, HEVC, VP8, VP9, AV1, MPEG-4) as a data URL or "
+        "base64; sampled and resized as the checkpoint's video processor, within the video limits."
+    )
+
+
+INPUT_TYPES = ("image", "text", "video")
 
 
 class EmbeddingRequest(BaseModel):
@@ -119,16 +130,16 @@ class EmbeddingRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input: str | Annotated[list[str | TextInput | ImageInput], Field(min_length=1)] = Field(
+    input: str | Annotated[list[str | TextInput | ImageInput | VideoInput], Field(min_length=1)] = Field(
         description="One item or a non-empty list. A string is what `input_type` says (an image by default: a data "
-        'URL or base64); an object is {"text": ...} or {"image": ...}. Items may be mixed; the answer holds one '
-        "embedding per item, in order."
+        'URL or base64); an object is {"text": ...}, {"image": ...} or {"video": ...} (Qwen towers). Items may be '
+        "mixed; the answer holds one embedding per item, in order."
     )
     input_type: Literal[INPUT_TYPES] = Field(
         "image",
-        description="Extension: what plain strings in `input` are, 'image' (the default) or 'text' (with the openai "
-        "client: extra_body={'input_type': 'text'}). Text needs a model with a text tower (CLIP, SigLIP2 with "
-        "their tokenizer files): else 400 text_not_supported.",
+        description="Extension: what plain strings in `input` are, 'image' (the default), 'text' (with the openai "
+        "client: extra_body={'input_type': 'text'}) or 'video'. Text needs a model with a text tower (CLIP, SigLIP2 "
+        "with their tokenizer files): else 400 text_not_supported; video a Qwen tower: else 400 video_not_supported.",
     )
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -191,12 +202,13 @@ class _Parsed(EmbeddingRequest):
 
 class Items(NamedTuple):
     """A request's `input` split by kind: the images and the texts, each in order, and the kind of every item
-    (`kinds[i]`, "image" or "text": item i is the next one of its kind). `input_items` also sets `uuids`: per
-    image its cache `uuid` or None (None: no image has one)."""
+    (`kinds[i]`, "image", "text" or "video": item i is the next one of its kind). `input_items` also sets
+    `uuids`: per image its cache `uuid` or None (None: no image has one; videos have none: they bypass the cache)."""
 
     images: list[str]
     texts: list[str]
     kinds: list[str]
+    videos: tuple | list = ()  # data URLs or base64 videos, in order
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -222,7 +234,7 @@ def input_items(value: str | list, input_type: str = "image") -> Items:
     "text" or "image". RequestError: 422 invalid_schema for another object or a non-string image, 400
     invalid_text for a text that is not a non-empty string; both name the item (`input[2]`)."""
     values = [value] if isinstance(value, str) else value
-    images, texts, kinds, uuids = [], [], [], []
+    images, texts, kinds, videos, uuids = [], [], [], [], []
     for i, item in enumerate(values):
         where = "input" if isinstance(value, str) else f"input[{i}]"
         uuid = None
@@ -235,13 +247,14 @@ def input_items(value: str | list, input_type: str = "image") -> Items:
             if len(item) != 1 or next(iter(item)) not in INPUT_TYPES:
                 keys = ", ".join(shown(k, 30) for k in list(item)[:5]) or "none"
                 raise RequestError(
-                    f'{where} must be a string or an object with one key, "text" or "image" (its keys: {keys})',
+                    f'{where} must be a string or an object with one key, "text", "image" or "video" '
+                    f"(its keys: {keys})",
                     ErrorCode.INVALID_SCHEMA, where,
                 )  # fmt: skip
             ((kind, payload),) = item.items()
-            if kind == "image" and not isinstance(payload, str):
+            if kind in ("image", "video") and not isinstance(payload, str):
                 raise RequestError(
-                    f"{where}.image must be a string (a data URL or base64 image), not {_json_type(payload)}",
+                    f"{where}.{kind} must be a string (a data URL or base64 {kind}), not {_json_type(payload)}",
                     ErrorCode.INVALID_SCHEMA, where,
                 )  # fmt: skip
         if kind == "text":
@@ -251,11 +264,13 @@ def input_items(value: str | list, input_type: str = "image") -> Items:
             if not payload:
                 raise RequestError(f"{where}: the text is an empty string", ErrorCode.INVALID_TEXT, where)
             texts.append(payload)
+        elif kind == "video":
+            videos.append(payload)
         else:
             images.append(payload)
             uuids.append(uuid)
         kinds.append(kind)
-    items = _Items(images, texts, kinds)
+    items = _Items(images, texts, kinds, videos)
     items.uuids = uuids if any(u is not None for u in uuids) else None
     return items
 
@@ -351,8 +366,10 @@ def _meta(index: int, out) -> tuple[dict, np.ndarray, list[np.ndarray]]:
     LLM output tuple (`deployments.llm_outputs.WireLLM`: tokens, DeepStack layers, patch grid)."""
     item: dict[str, Any] = {"object": "embedding", "index": index}
     if isinstance(out, tuple):
-        vec, deepstack, grid = out
+        vec, deepstack, grid, *stamps = out  # a video's timestamps (Qwen3-VL) after its grid
         item["shape"], item["grid_thw"] = list(vec.shape), list(grid)
+        if stamps and stamps[0] is not None:
+            item["timestamps"] = list(stamps[0])
         return item, vec, deepstack
     if out.ndim == 2:
         item["shape"] = list(out.shape)

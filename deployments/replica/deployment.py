@@ -118,6 +118,7 @@ class EncoderReplica:
             text=a.text,  # the text tower, where the model has one with its tokenizer, unless text is off
         )  # fmt: skip
         self.pp = vision.preprocess_config
+        self.video_cfg = vision.video_config  # None: the model takes no video (not a Qwen tower)
         plan = replica_plan(a, vision, self.device_name)
         self.engine = GraphEncoder(vision, plan.table)
         self.device = vision.device
@@ -173,7 +174,7 @@ class EncoderReplica:
 
         entered = time.perf_counter()
         pooling = self._pooling(pooling)
-        work = EncodeRequest(*check_pixels(pixels, self.pp), pooling, deadline=deadline)
+        work = EncodeRequest(*check_pixels(pixels, self.pp, self.video_cfg), pooling, deadline=deadline)
         return await self._encode(work, num_patches, num_images, entered)
 
     async def encode_llm_pixels(
@@ -193,7 +194,7 @@ class EncoderReplica:
 
         entered = time.perf_counter()
         check_dtype(dtype)
-        work = EncodeRequest(*check_pixels(pixels, self.pp), "none", dtype, deadline=deadline)
+        work = EncodeRequest(*check_pixels(pixels, self.pp, self.video_cfg), "none", dtype, deadline=deadline)
         return await self._encode(work, num_patches, num_images, entered)
 
     async def encode_texts(
@@ -311,6 +312,8 @@ class EncoderReplica:
             "dtype": str(vision.dtype).removeprefix("torch."),
             "quantization": vision.quantization,  # None or "fp8" (the blocks' linear layers)
             "preprocess": self.pp.model_dump(mode="json"),
+            # the video processor's settings and limits (Qwen towers), None: the model takes no video
+            "video": None if self.video_cfg is None else self.video_cfg.model_dump(mode="json"),
             "buckets": [[k.budget, k.max_images] for k in self.engine.table.keys],
             "max_batch_patches": self.pipeline.max_batch_patches,
             "max_batch_images": self.pipeline.max_batch_images,

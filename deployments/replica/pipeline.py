@@ -38,8 +38,8 @@ from deployments.batching import ContinuousBatcher
 from deployments.llm_outputs import wire_outputs, wire_torch_dtype
 from deployments.metrics import RecentTimings, ReplicaMetrics
 from deployments.replica.health import sticky_device_error
-from deployments.wire import EncodeRequest, TextRequest, group
-from encoder.errors import EncoderError, InvalidArgumentError, InvalidImageError
+from deployments.wire import EncodeRequest, TextRequest, group, patch_count
+from encoder.errors import EncoderError, InvalidArgumentError, InvalidImageError, InvalidVideoError
 from encoder.patchify import stack_patchify
 from encoder.preprocessing.config import ProcessorConfig
 from workspace import GraphEncoder
@@ -75,14 +75,20 @@ def _expired_error(work: EncodeRequest) -> TimeoutError:
     return TimeoutError(f"the request's deadline passed {time.time() - work.deadline:.1f}s ago; dropped unrun")
 
 
-def check_pixels(pixels, pp: ProcessorConfig) -> tuple[list[np.ndarray], list[int]]:
-    """Validate resized uint8 images and count their patches (cheap: shapes only)."""
+def check_pixels(pixels, pp: ProcessorConfig, video_cfg=None) -> tuple[list[np.ndarray], list[int]]:
+    """Validate resized uint8 images and count their patches (cheap: shapes only). With `video_cfg` (the
+    model's video processor, `VisionEncoder.video_config`) a uint8 [n, h, w, 3] array is a video's sampled,
+    resized frames: ceil(n / temporal_patch_size) x (h / P) x (w / P) patches (`wire.patch_count`)."""
     if isinstance(pixels, np.ndarray | torch.Tensor):
         raise InvalidArgumentError("pixels must be a list of uint8 [H, W, 3] arrays, not one array")
     arrays, counts = [], []
     for i, x in enumerate(pixels):
         if isinstance(x, torch.Tensor):
             x = x.cpu().numpy()
+        if isinstance(x, np.ndarray) and x.ndim == 4:
+            arrays.append(_check_video_pixels(i, x, video_cfg))
+            counts.append(patch_count(x, video_cfg.patch_size, video_cfg.temporal_patch_size))
+            continue
         if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 3 or x.shape[2] != 3:
             what = f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}".strip()
             raise InvalidImageError(f"pixels[{i}]: expected a uint8 [H, W, 3] array, got {what}")
@@ -94,6 +100,18 @@ def check_pixels(pixels, pp: ProcessorConfig) -> tuple[list[np.ndarray], list[in
         arrays.append(x)
         counts.append((h // pp.patch_size) * (w // pp.patch_size))
     return arrays, counts
+
+
+def _check_video_pixels(i: int, x: np.ndarray, video_cfg) -> np.ndarray:
+    if video_cfg is None:
+        raise InvalidVideoError(f"pixels[{i}]: a video's frames {x.shape}, but this model takes no video")
+    n, h, w, c = x.shape
+    if x.dtype != np.uint8 or c != 3 or n == 0 or h == 0 or w == 0 or h % video_cfg.factor or w % video_cfg.factor:
+        raise InvalidVideoError(
+            f"pixels[{i}]: expected a video's uint8 [frames, H, W, 3] frames with sides non-zero multiples of "
+            f"{video_cfg.factor}, got {x.dtype} {x.shape}"
+        )
+    return x
 
 
 def best_prefix(works: list[EncodeRequest], table: BucketTable, fixed_cost: int) -> int:
@@ -297,7 +315,7 @@ class DevicePipeline:
             if isinstance(g.merged, TextRequest):
                 pending.append((g, self._launch_texts(g.merged)))
                 continue
-            batch = stack_patchify(g.merged.arrays, self.pp, self.device)
+            batch = stack_patchify(g.merged.arrays, self.pp, self.device, self.engine.encoder.video_config)
             if g.merged.llm is None:
                 p = self.engine.encode_async(batch, g.merged.pooling)
             else:  # 16-bit wire types are cast on the device: half the bytes to copy, no host cast

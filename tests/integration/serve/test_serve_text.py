@@ -106,7 +106,8 @@ def test_v1_models_says_the_model_takes_text(app):
         ({"input": [{"text": "a"}], "pooling": "none"}, 400, "invalid_pooling", "pooling"),
         ({"input": [{"text": "a"}], "dimensions": 7}, 400, "invalid_dimensions", "dimensions"),
         ({"input": [{"words": "a"}]}, 422, "invalid_schema", "input[0]"),
-        ({"input": ["a"], "input_type": "video"}, 422, "invalid_schema", "input_type"),
+        ({"input": ["a"], "input_type": "audio"}, 422, "invalid_schema", "input_type"),
+        ({"input": [{"video": "AAAA"}]}, 400, "video_not_supported", "input"),  # a CLIP tower takes no video
     ],
 )
 def test_text_errors_are_4xx_with_their_codes(app, body, status, code, param):

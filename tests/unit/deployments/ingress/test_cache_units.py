@@ -436,3 +436,41 @@ def test_the_request_patch_limit_counts_the_hits():
     big, _ = routes(cache, client=c2)
     post(big, {"input": [b64(1), b64(2), b64(3)]})
     assert post(r2, {"input": [b64(1), b64(2), b64(3)]})[0] == 413 and c2.images == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------ videos bypass it
+
+
+class VideoClient(FakeClient):
+    """`FakeClient` that also takes videos (uint8 [n, H, W, 3]: their output is their first pixel + 100)."""
+
+    def __init__(self):
+        super().__init__(video_config=SimpleNamespace(patch_size=PATCH, temporal_patch_size=2))
+
+    async def encode(self, arrays, pooling, llm, deadline):
+        images = [a for a in arrays if a.ndim == 3]
+        out, patches = await super().encode(images, pooling, llm, deadline) if images else ([], 0)
+        out = iter(out)
+        answer = [next(out) if a.ndim == 3 else np.full(4, 100 + float(a[0, 0, 0, 0]), np.float32) for a in arrays]
+        videos = [a for a in arrays if a.ndim == 4]
+        return answer, patches + sum(
+            -(-a.shape[0] // 2) * (a.shape[1] // PATCH) * (a.shape[2] // PATCH) for a in videos
+        )
+
+
+def test_videos_bypass_the_cache_and_the_images_beside_them_are_cached():
+    h, client, decoder, cache = handles(client=VideoClient())
+    decoded_videos = []
+
+    async def prepare_videos(videos, vcfg, label):
+        decoded_videos.extend(videos)
+        return [(np.full((2, 4, 4, 3), v, np.uint8), None) for v in videos]
+
+    decoder.prepare_videos = prepare_videos
+    images = [np.full((4, 4, 3), 1, np.uint8), np.full((4, 4, 3), 2, np.uint8)]
+    first = run(h(images, None, None, videos=[7]))
+    second = run(h(images, None, None, videos=[7]))
+    assert [float(x[0]) for x in first] == [float(x[0]) for x in second] == [1.0, 2.0, 107.0]
+    assert client.images == [1, 2]  # the images once: the second call's were hits
+    assert decoded_videos == [7, 7]  # the video decoded and encoded both times, never stored
+    assert len(cache) == 2

@@ -221,13 +221,13 @@ def test_every_error_code_has_its_documented_status_type_and_outcome():
         (400, "invalid_request_error", "client_error"): "INVALID_REQUEST INVALID_JSON INVALID_BASE64 INVALID_DATA_URL "
         "INVALID_IMAGE_URL URL_NOT_ALLOWED IMAGE_FETCH_FAILED INVALID_IMAGE INVALID_ARGUMENT INVALID_POOLING "
         "INVALID_DIMENSIONS INVALID_EMBEDDING_DTYPE INVALID_TEXT TEXT_NOT_SUPPORTED INVALID_LAYOUT INVALID_UUID "
-        "EC_CACHE_NOT_CONFIGURED",
+        "EC_CACHE_NOT_CONFIGURED INVALID_VIDEO VIDEO_NOT_SUPPORTED",
         (401, "authentication_error", "client_error"): "MISSING_API_KEY INVALID_API_KEY",
         (404, "invalid_request_error", "client_error"): "MODEL_NOT_FOUND ROUTE_NOT_FOUND",
         (405, "invalid_request_error", "client_error"): "METHOD_NOT_ALLOWED",
         (408, "invalid_request_error", "timeout"): "REQUEST_TIMEOUT",
         (413, "invalid_request_error", "client_error"): "IMAGE_TOO_LARGE IMAGE_TOO_COMPLEX IMAGE_DECODE_TIMEOUT "
-        "TOO_MANY_IMAGES TOO_MANY_PATCHES REQUEST_TOO_LARGE",
+        "TOO_MANY_IMAGES TOO_MANY_PATCHES REQUEST_TOO_LARGE VIDEO_TOO_LARGE",
         (415, "invalid_request_error", "client_error"): "UNSUPPORTED_MEDIA_TYPE UNSUPPORTED_CONTENT_TYPE "
         "UNSUPPORTED_IMAGE_FORMAT",
         (422, "invalid_request_error", "client_error"): "INVALID_SCHEMA",

@@ -165,10 +165,10 @@ def test_dimensions_and_the_item_limit_count_texts():
 
 
 def test_input_items_alone():
-    assert input_items("x") == (["x"], [], ["image"])
-    assert input_items("x", "text") == ([], ["x"], ["text"])
+    assert input_items("x") == (["x"], [], ["image"], [])
+    assert input_items("x", "text") == ([], ["x"], ["text"], [])
     items = input_items(["a", {"text": "t"}, {"image": "i"}], "text")
-    assert items == (["i"], ["a", "t"], ["text", "text", "image"]) and items.positions("image") == [2]
+    assert items == (["i"], ["a", "t"], ["text", "text", "image"], []) and items.positions("image") == [2]
     with pytest.raises(RequestError, match=r"input: the text is an empty string"):
         input_items("", "text")
 
