@@ -28,7 +28,22 @@ def std_positive(v: tuple[float, ...]) -> tuple[float, ...]:
     return v
 
 
-class ProcessorConfig(BaseModel):
+class PatchSizes:
+    """What a config of `patch_size`, `merge_size` and `temporal_patch_size` fields derives from them (the image
+    processors' `ProcessorConfig` and the Qwen video processors' `VideoPreprocessConfig`)."""
+
+    @property
+    def factor(self) -> int:
+        """Sides of the resized arrays are multiples of this (patch_size * merge_size)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch: channels x frames x patch area."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+
+class ProcessorConfig(PatchSizes, BaseModel):
     """A family's preprocessing settings and its resize rule. Each family declares its fields, among them the
     ones every caller reads: `kind` (the family, also in the dump), `patch_size`, `merge_size`,
     `temporal_patch_size`, `image_mean`, `image_std`, and the decode limits `load_image` reads
@@ -49,16 +64,6 @@ class ProcessorConfig(BaseModel):
     @classmethod
     def _known_formats(cls, v: frozenset[str]) -> frozenset[str]:
         return known_formats(v)
-
-    @property
-    def factor(self) -> int:
-        """Sides of the arrays `resize` returns are multiples of this (patch_size * merge_size)."""
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch: channels x frames x patch area."""
-        return 3 * self.temporal_patch_size * self.patch_size**2
 
     @property
     def channels_last(self) -> bool:

@@ -37,7 +37,13 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from encoder.errors import ConfigError, InvalidArgumentError, InvalidVideoError, VideoTooLargeError, validation_reason
-from encoder.preprocessing.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, reject_unsupported_steps, std_positive
+from encoder.preprocessing.config import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    PatchSizes,
+    reject_unsupported_steps,
+    std_positive,
+)
 from encoder.preprocessing.qwen import smart_resize as image_smart_resize
 from encoder.preprocessing.resample import resize_frames
 
@@ -66,7 +72,7 @@ class VideoLimits(BaseModel):
 DEFAULT_VIDEO_LIMITS = VideoLimits()
 
 
-class VideoPreprocessConfig(BaseModel):
+class VideoPreprocessConfig(PatchSizes, BaseModel):
     """A Qwen video processor's settings; `defaults(kind)` are transformers' class defaults."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -100,14 +106,6 @@ class VideoPreprocessConfig(BaseModel):
         if self.fps is not None and self.num_frames is not None and self.do_sample_frames:
             raise ValueError("fps and num_frames are mutually exclusive")
         return self
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
     def defaults(cls, kind: str, **overrides: Any) -> VideoPreprocessConfig:
