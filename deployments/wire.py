@@ -32,16 +32,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 
-@dataclass
-class EncodeRequest:
-    """One request's images and the output they want (see the module docstring)."""
+class Counted:
+    """What the batchers read of a request record: its size (`patches`: an image's patches, a text's tokens) and
+    its item count (`images`: images, or texts), both from its `counts`."""
 
-    arrays: list[np.ndarray]  # uint8 [H, W, 3] (a video: [n, H, W, 3]), sides multiples of patch_size * merge_size
-    counts: list[int]  # patches per image
-    pooling: str  # resolved (the ingress resolves a request's None to the service's vector pooling)
-    llm: str | None = None  # LLM-ready outputs in this wire dtype (`deployments.llm_outputs`) instead of pooling
-    deadline: float | None = None  # time.time() past which nobody waits for it (the replica drops it unrun)
-    queued_at: float = field(default_factory=time.perf_counter)  # made (in the replica: entered its queue)
+    counts: list[int]
 
     @property
     def patches(self) -> int:
@@ -50,6 +45,18 @@ class EncodeRequest:
     @property
     def images(self) -> int:
         return len(self.counts)
+
+
+@dataclass
+class EncodeRequest(Counted):
+    """One request's images and the output they want (see the module docstring)."""
+
+    arrays: list[np.ndarray]  # uint8 [H, W, 3] (a video: [n, H, W, 3]), sides multiples of patch_size * merge_size
+    counts: list[int]  # patches per image
+    pooling: str  # resolved (the ingress resolves a request's None to the service's vector pooling)
+    llm: str | None = None  # LLM-ready outputs in this wire dtype (`deployments.llm_outputs`) instead of pooling
+    deadline: float | None = None  # time.time() past which nobody waits for it (the replica drops it unrun)
+    queued_at: float = field(default_factory=time.perf_counter)  # made (in the replica: entered its queue)
 
     @property
     def form(self) -> tuple[str, str | None]:
@@ -92,7 +99,7 @@ class Group(NamedTuple):
 
 
 @dataclass
-class TextRequest:
+class TextRequest(Counted):
     """One request's texts and the output they want (see the module docstring): the text counterpart of
     `EncodeRequest`, read by the same batchers (`counts`, `patches`, `images`) with tokens for patches."""
 
@@ -101,16 +108,6 @@ class TextRequest:
     pooling: str  # resolved: "model" or "model-l2"
     deadline: float | None = None
     queued_at: float = field(default_factory=time.perf_counter)
-
-    @property
-    def patches(self) -> int:
-        """Tokens (the batchers' size unit)."""
-        return sum(self.counts)
-
-    @property
-    def images(self) -> int:
-        """Texts (the batchers' item count)."""
-        return len(self.counts)
 
     @property
     def form(self) -> tuple[str, str]:
