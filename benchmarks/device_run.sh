@@ -16,7 +16,10 @@
 #   profile  benchmarks/profile_engine.py
 #   clip     benchmarks/clip.py
 #   video    issue 47.1: video preprocessing against transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor
-#            (needs torchvision; no PyAV: frames made in the test), then the video model tests where PyAV is there
+#            (needs torchvision; no PyAV: frames made in the test), then the video model tests where PyAV is there,
+#            then the GPU graph == eager tests on random mixes of videos and images
+#   videobench  benchmarks/video.py (issue 47: a 64-frame 448x448 video, Qwen3-VL-8B and Qwen2.5-VL-7B, graph
+#            replay vs our eager vs HF eager get_video_features, same weights)
 #   text     benchmarks/text.py (issue 46: CLIP ViT-L/14's text tower, graph replay vs eager vs HF, 1 and 256 texts)
 #   towers   benchmarks/towers.py (issue 46: SigLIP2 so400m NaFlex at 256 and 1024 max patches, DINOv2-L, DINOv3-L;
 #            graph replay vs our eager vs HF eager, 1 and 256 images, pooled outputs against HF's)
@@ -82,7 +85,11 @@ for s in $steps; do
           done ;;
     startup) timeout $(budget 240) python3 -m benchmarks.startup --model qwen2.5-vl-7b > "$OUT/startup.json" 2> "$OUT/startup.log" ;;
     tests) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/attention/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/preprocessing/test_preprocess.py tests/unit/encoder/kernels/test_kernels.py tests/unit/encoder/models/test_clip_siglip_gpu.py tests/unit/encoder/models/test_siglip2_gpu.py tests/unit/encoder/models/test_dino_gpu.py tests/unit/workspace/test_text_graphs_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
-    video) timeout $(budget 240) python3 -m pytest -q -rs tests/unit/encoder/preprocessing/test_video_hf_parity.py tests/unit/encoder/models/test_video_hf.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/video_parity.txt" ;;
+    video) timeout $(budget 240) python3 -m pytest -q -rs tests/unit/encoder/preprocessing/test_video_hf_parity.py tests/unit/encoder/models/test_video_hf.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/video_parity.txt"
+           timeout $(budget 200) python3 -m pytest -q -m gpu tests/unit/workspace/test_video_graphs_gpu.py -p no:cacheprovider \
+             2>&1 | tail -20 > "$OUT/video_graph_tests.txt" ;;
+    videobench) timeout $(budget 200) python3 -m benchmarks.video --json "$OUT/video.json" > "$OUT/video.log" 2>&1
+                grep -v "^{" "$OUT/video.log" > "$OUT/video.md" ;;
     attn) timeout $(budget 120) python3 -m benchmarks.attention --check > "$OUT/attention.md" 2>&1 ;;
     bench) timeout $(budget 400) python3 -m benchmarks.engine --json "$OUT/engine.json" --markdown "$OUT/engine_table.md" \
              > "$OUT/engine.md" 2>&1 ;;
