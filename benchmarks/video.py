@@ -120,7 +120,7 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="qwen3-vl-8b,qwen2.5-vl-7b")
     parser.add_argument("--frames", type=int, default=64)
@@ -130,9 +130,10 @@ def main() -> int:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cpu":
-        models = ["tiny-qwen3-vl"] if args.models == parser.get_default("models") else args.models.split(",")
+        default = args.models == parser.get_default("models")
+        models = ["tiny-qwen3-vl", "tiny"] if default else args.models.split(",")  # tiny: the Qwen2.5-VL family
     else:
         if not require_cuda("benchmarks.video"):
             return 2
