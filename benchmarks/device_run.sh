@@ -7,6 +7,8 @@
 #   all      util tests bench clip startup qwen3 profile attn, in that order (what fits in BUDGET_S runs)
 #   util     issue 45's utilisation rows, quickly: benchmarks/engine.py, auto backend, no HF, Qwen3-VL-8B and
 #            Qwen2.5-VL-7B at 8x896 and 32x224 (whole-forward FLOP/s against the burst and the sustained peak)
+#   utilhf   issue 48's rows with 45's utilisation: benchmarks/engine.py --model qwen3-vl-8b, auto backend (FA4 where
+#            installed, else the fallback), 8x896 and 32x224, HF eager beside
 #   tests    pytest -m gpu (attention, engine, preprocessing, kernels, CLIP/SigLIP, SigLIP2, DINOv2/v3, text graphs)
 #   attn     benchmarks/attention.py --check
 #   bench    benchmarks/engine.py (every backend, HF beside); quick: triton only, no HF
@@ -83,6 +85,8 @@ for s in $steps; do
             timeout $(budget 200) python3 -m benchmarks.engine --model $m --backends auto --workloads 8x896,32x224 --no-hf \
               --json "$OUT/util_$m.json" --markdown "$OUT/util_$m.md" > "$OUT/util_$m.log" 2>&1
           done ;;
+    utilhf) timeout $(budget 240) python3 -m benchmarks.engine --model qwen3-vl-8b --backends auto --workloads 8x896,32x224 \
+              --json "$OUT/utilhf_qwen3.json" --markdown "$OUT/utilhf_qwen3.md" > "$OUT/utilhf_qwen3.log" 2>&1 ;;
     startup) timeout $(budget 240) python3 -m benchmarks.startup --model qwen2.5-vl-7b > "$OUT/startup.json" 2> "$OUT/startup.log" ;;
     tests) timeout $(budget 300) python3 -m pytest -q -m gpu tests/unit/encoder/attention/test_attention.py tests/unit/workspace/test_gpu_engine.py tests/unit/encoder/preprocessing/test_preprocess.py tests/unit/encoder/kernels/test_kernels.py tests/unit/encoder/models/test_clip_siglip_gpu.py tests/unit/encoder/models/test_siglip2_gpu.py tests/unit/encoder/models/test_dino_gpu.py tests/unit/workspace/test_text_graphs_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.txt" ;;
     video) timeout $(budget 240) python3 -m pytest -q -rs tests/unit/encoder/preprocessing/test_video_hf_parity.py tests/unit/encoder/models/test_video_hf.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/video_parity.txt"
@@ -162,5 +166,5 @@ for s in $steps; do
   esac
   echo "step $s rc=$? $(( $(date +%s) - start ))s" >> "$OUT/gpu.txt"
 done
-for f in "$OUT"/util_*.md "$OUT"/engine_table.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; } >> "$OUT/summary.md"; done
+for f in "$OUT"/util_*.md "$OUT"/utilhf_*.md "$OUT"/engine_table.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; } >> "$OUT/summary.md"; done
 cat "$OUT/gpu.txt"
