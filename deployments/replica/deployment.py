@@ -96,6 +96,7 @@ class EncoderReplica:
     """Serve deployment of one encoder: `encode_pixels` for the ingress, stats for routers and tests."""
 
     def __init__(self, args: dict):
+        entered = time.perf_counter()
         import encoder
         from deployments.replica.health import FaultInjector, HealthProbe, probe_pixels
         from deployments.replica.pipeline import DevicePipeline
@@ -108,6 +109,8 @@ class EncoderReplica:
             sys.setswitchinterval(a.gil_switch_interval_s)
         self.device_name = resolve_device(a, resolve_num_gpus(a))
         start = time.perf_counter()
+        # the cold start's phases (benchmarks/cold_start.py reads the replica logs): torch and ours imported
+        logger.info("replica constructor: imports took %.1f s; loading %s", start - entered, a.model)
         # build_app warned once, in one line, that a preset's weights are random, and the ready line below marks
         # them; the warning again from every replica, in warnings' file:line form, is noise. This process is
         # the replica's own, so the filter stays (no catch_warnings: it is not thread-safe)
