@@ -76,7 +76,7 @@ class ModelArgs(BaseModel):
         True,
         description="Serve texts where the model has a text tower with its tokenizer (CLIP, SigLIP2). False: images "
         "only: replicas load no text weights and capture no text graphs, text requests are answered 400 "
-        "text_not_supported, /v1/models lists input_types ['image'].",
+        "text_not_supported, /v1/models lists no 'text' in input_types.",
     )
 
     @model_validator(mode="after")

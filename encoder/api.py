@@ -336,7 +336,13 @@ class VisionEncoder:
         tokens = pool_outputs(out.tokens.cpu(), counts, "none")
         deep = [pool_outputs(d.cpu(), counts, "none") for d in out.deepstack]
         return [
-            LLMOutput(tokens[i], tuple(batch.grid_thw[i].tolist()), [d[i] for d in deep], batch.timestamps_of(i))
+            LLMOutput(
+                tokens[i],
+                tuple(batch.grid_thw[i].tolist()),
+                [d[i] for d in deep],
+                batch.timestamps_of(i),
+                batch.second_per_grid_ts_of(i),
+            )
             for i in range(batch.num_images)
         ]
 

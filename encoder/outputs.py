@@ -3,7 +3,7 @@
 A VLM serving stack that runs the encoder as its own service replaces its vision tower with these:
 `tokens` go into the image placeholder positions of the prompt, `deepstack` (Qwen3-VL) is added to
 the hidden states of the LLM's first decoder layers at those positions, and `grid_thw` is what the
-LLM's M-RoPE positions are computed from.
+LLM's M-RoPE positions are computed from (with, for a Qwen2.5-VL video, `second_per_grid_ts`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ class LLMOutput:
     deepstack: list[torch.Tensor] = field(default_factory=list)  # one [n, out_dim] per DeepStack layer, model order
     # a Qwen3-VL video's seconds per temporal patch (its prompt's `<t seconds>`), else None
     timestamps: list[float] | None = None
+    # a Qwen2/2.5-VL video's seconds one temporal patch spans (Qwen2.5-VL's `second_per_grid_ts`: the temporal
+    # M-RoPE positions step by tokens_per_second x this), else None
+    second_per_grid_ts: float | None = None
 
     def vllm_embeds(self) -> torch.Tensor:
         """The one tensor vLLM's Qwen models produce for this image (and take as `image_embeds`):

@@ -19,11 +19,14 @@ class PatchBatch:
         temporal patches (frames / temporal_patch_size, rounded up).
     timestamps: None, or per item None (an image, a video without them) or a video's seconds per temporal patch
         (Qwen3-VL's prompt, `encoder.preprocessing.video`).
+    second_per_grid_ts: None, or per item None (an image, a Qwen3-VL video) or the seconds one temporal patch of
+        a Qwen2/2.5-VL video spans (Qwen2.5-VL's M-RoPE spacing, `VideoPreprocessConfig.second_per_grid`).
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
     timestamps: list[list[float] | None] | None = None
+    second_per_grid_ts: list[float | None] | None = None
 
     def __post_init__(self):
         # a public type (`encode(PatchBatch(...))`): wrong inputs get an error naming the field, not an
@@ -51,14 +54,20 @@ class PatchBatch:
                 f"PatchBatch.grid_thw must be [num_images, 3] (t, h, w) rows, got shape {list(self.grid_thw.shape)}"
             )
 
-        if self.timestamps is not None and len(self.timestamps) != self.grid_thw.shape[0]:
-            raise InvalidArgumentError(
-                f"PatchBatch.timestamps has {len(self.timestamps)} entries for {self.grid_thw.shape[0]} grid_thw rows"
-            )
+        for name in ("timestamps", "second_per_grid_ts"):
+            per_item = getattr(self, name)
+            if per_item is not None and len(per_item) != self.grid_thw.shape[0]:
+                raise InvalidArgumentError(
+                    f"PatchBatch.{name} has {len(per_item)} entries for {self.grid_thw.shape[0]} grid_thw rows"
+                )
 
     def timestamps_of(self, i: int) -> list[float] | None:
         """Item i's timestamps (None for an image)."""
         return None if self.timestamps is None else self.timestamps[i]
+
+    def second_per_grid_ts_of(self, i: int) -> float | None:
+        """Item i's seconds per temporal patch (None for an image and a Qwen3-VL video)."""
+        return None if self.second_per_grid_ts is None else self.second_per_grid_ts[i]
 
     @property
     def num_images(self) -> int:
@@ -77,13 +86,16 @@ class PatchBatch:
         parts = [self.pixel_values[starts[i] : starts[i + 1]] for i in index]
         pv = torch.cat(parts) if parts else self.pixel_values[:0]
         stamps = None if self.timestamps is None else [self.timestamps[i] for i in index]
-        return PatchBatch(pv, self.grid_thw[index], stamps)
+        per_grid = None if self.second_per_grid_ts is None else [self.second_per_grid_ts[i] for i in index]
+        return PatchBatch(pv, self.grid_thw[index], stamps, per_grid)
 
     @staticmethod
     def concat(batches: list[PatchBatch]) -> PatchBatch:
-        stamps = None
+        stamps = per_grid = None
         if any(b.timestamps is not None for b in batches):
             stamps = [b.timestamps_of(i) for b in batches for i in range(b.num_images)]
+        if any(b.second_per_grid_ts is not None for b in batches):
+            per_grid = [b.second_per_grid_ts_of(i) for b in batches for i in range(b.num_images)]
         return PatchBatch(
-            torch.cat([b.pixel_values for b in batches]), torch.cat([b.grid_thw for b in batches]), stamps
+            torch.cat([b.pixel_values for b in batches]), torch.cat([b.grid_thw for b in batches]), stamps, per_grid
         )

@@ -179,12 +179,13 @@ def preprocess(images: Any, cfg: ProcessorConfig = DEFAULT_CONFIG) -> PatchBatch
 def preprocess_videos(videos: Any, cfg, fps: float | None = None) -> PatchBatch:
     """One video or a list (encoded bytes, or uint8 arrays [frames, H, W, 3] of every frame at `fps`) -> a
     PatchBatch equal to the transformers video processor's `pixel_values_videos` / `video_grid_thw` (`cfg`: an
-    `encoder.preprocessing.video.VideoPreprocessConfig`), with the timestamps for Qwen3-VL."""
+    `encoder.preprocessing.video.VideoPreprocessConfig`), with the timestamps for Qwen3-VL and the seconds per
+    temporal patch (`second_per_grid_ts`) for Qwen2/2.5-VL."""
     from encoder.preprocessing.video import prepare_frames
     from encoder.preprocessing.video_decode import load_video
 
     items = list(videos) if isinstance(videos, list | tuple) else [videos]
-    patches, grids, stamps = [], [], []
+    patches, grids, stamps, per_grid = [], [], [], []
     for i, x in enumerate(items):
         try:
             if isinstance(x, bytes | bytearray | memoryview):
@@ -205,6 +206,12 @@ def preprocess_videos(videos: Any, cfg, fps: float | None = None) -> PatchBatch:
         t = -(-frames.shape[0] // cfg.temporal_patch_size)
         grids.append((t, frames.shape[1] // cfg.patch_size, frames.shape[2] // cfg.patch_size))
         stamps.append(prepared.timestamps)
+        per_grid.append(prepared.second_per_grid_ts)
     grid = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
     pv = torch.cat(patches) if patches else torch.zeros(0, cfg.patch_dim)
-    return PatchBatch(pv, grid, stamps if any(s is not None for s in stamps) else None)
+    return PatchBatch(
+        pv,
+        grid,
+        stamps if any(s is not None for s in stamps) else None,
+        per_grid if any(s is not None for s in per_grid) else None,
+    )

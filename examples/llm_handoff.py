@@ -12,6 +12,13 @@ has to do with them, on the Hugging Face model of the same checkpoint:
    decoder layer k (`visual_pos_masks`, `deepstack_visual_embeds` of the text model; the full
    model's `forward` computes them itself, so the text model is called directly, then `lm_head`).
 
+Videos (`VisionEncoder.preprocess_video`, then `encode_llm`) go the same way through `vlm_inputs(...,
+videos=...)`: their tokens into the `video_token_id` positions, M-RoPE from their `grid_thw` as
+`video_grid_thw` (and, for Qwen2.5-VL, each video's `second_per_grid_ts`, which spaces the temporal
+positions), DeepStack at the image and video positions together. The prompt is the processor's: Qwen2.5-VL
+puts a video's t*h*w/4 placeholders between one <vision_start> and <vision_end>; Qwen3-VL puts, per
+temporal patch, the text `<{timestamp:.1f} seconds>` then <vision_start>, h*w/4 placeholders, <vision_end>.
+
     pip install transformers torchvision    # Hugging Face's VLM and processor (not a dependency of ours)
     python examples/llm_handoff.py CHECKPOINT_DIR [IMAGE] [--prompt TEXT] [--max-new-tokens N]
 
@@ -53,37 +60,58 @@ def expand_image_tokens(input_ids: list[int], image_token_id: int, outputs: list
     return ids
 
 
-def vlm_inputs(model, input_ids: torch.Tensor, outputs: list[LLMOutput]) -> dict:
-    """The text model's inputs for a prompt [1, L] whose image placeholders are already expanded.
+def vlm_inputs(model, input_ids: torch.Tensor, outputs: list[LLMOutput], videos: list[LLMOutput] = ()) -> dict:
+    """The text model's inputs for a prompt [1, L] whose image and video placeholders are already expanded
+    (`outputs`: the images', `videos`: the videos', each in prompt order).
 
     Returns `inputs_embeds` [1, L, hidden], `position_ids` [3, 1, L] (M-RoPE from the grids),
     `rope_delta` (what decode steps add to their 1D positions) and, for DeepStack models,
-    `visual_pos_masks` [1, L] and `deepstack_visual_embeds` (one [image tokens, hidden] per layer).
+    `visual_pos_masks` [1, L] (image and video positions) and `deepstack_visual_embeds` (one
+    [image + video tokens, hidden] per layer, in prompt order).
     """
     cfg = model.config
     dev = model.device
     input_ids = input_ids.to(dev)
-    image_mask = input_ids == cfg.image_token_id
-    tokens = torch.cat([o.tokens for o in outputs]).to(dev)
-    if int(image_mask.sum()) != tokens.shape[0]:
-        raise ValueError(f"{int(image_mask.sum())} image placeholders for {tokens.shape[0]} image tokens")
-    embeds = model.get_input_embeddings()(input_ids)
-    embeds = embeds.masked_scatter(image_mask[..., None], tokens.to(embeds.dtype))
+    image_mask = input_ids == cfg.image_token_id  # [1, L]
+    video_mask = input_ids == cfg.video_token_id  # [1, L]
+    embeds = model.get_input_embeddings()(input_ids)  # [1, L, hidden]
+    for mask, items, what in ((image_mask, outputs, "image"), (video_mask, videos, "video")):
+        count = sum(o.tokens.shape[0] for o in items)
+        if int(mask.sum()) != count:
+            raise ValueError(f"{int(mask.sum())} {what} placeholders for {count} {what} tokens")
+        if items:
+            tokens = torch.cat([o.tokens for o in items]).to(dev, embeds.dtype)  # [count, hidden]
+            embeds = embeds.masked_scatter(mask[..., None], tokens)
 
-    grid = torch.tensor([o.grid_thw for o in outputs], dtype=torch.long, device=dev)
+    def grids(items: list[LLMOutput]) -> torch.Tensor | None:  # [items, 3]
+        return torch.tensor([o.grid_thw for o in items], dtype=torch.long, device=dev) if items else None
+
     rope_index = model.model.get_rope_index
-    kwargs = {"image_grid_thw": grid}
-    if "mm_token_type_ids" in inspect.signature(rope_index).parameters:  # transformers >= 5.x: 1 marks image tokens
-        kwargs["mm_token_type_ids"] = image_mask.int()
+    takes = inspect.signature(rope_index).parameters
+    kwargs = {"image_grid_thw": grids(outputs), "video_grid_thw": grids(videos)}
+    if "mm_token_type_ids" in takes:  # transformers >= 5.x: 1 marks image tokens, 2 video tokens
+        kwargs["mm_token_type_ids"] = image_mask.int() + 2 * video_mask.int()
+    if videos and "second_per_grid_ts" in takes:  # Qwen2.5-VL: without it HF would space the frames 1 s apart
+        seconds = [o.second_per_grid_ts for o in videos]
+        if None in seconds:
+            raise ValueError("this model needs each video's second_per_grid_ts (a Qwen2/2.5-VL video's LLMOutput)")
+        kwargs["second_per_grid_ts"] = torch.tensor(seconds, device=dev)
     position_ids, rope_delta = rope_index(input_ids, **kwargs)
 
     inputs = {"inputs_embeds": embeds, "position_ids": position_ids, "rope_delta": rope_delta}
-    layers = len(outputs[0].deepstack)
+    layers = len((list(outputs) + list(videos))[0].deepstack) if outputs or videos else 0
     if layers:
-        inputs["visual_pos_masks"] = image_mask
-        inputs["deepstack_visual_embeds"] = [
-            torch.cat([o.deepstack[k] for o in outputs]).to(dev, embeds.dtype) for k in range(layers)
-        ]
+        # as the full model's forward: one feature row per visual position, images' and videos' in their places
+        visual = image_mask | video_mask  # [1, L]
+        joint = []
+        for k in range(layers):
+            feature = embeds.new_zeros(int(visual.sum()), embeds.shape[-1])  # [visual tokens, hidden]
+            for mask, items in ((image_mask, outputs), (video_mask, videos)):
+                if items:
+                    feature[mask[visual]] = torch.cat([o.deepstack[k] for o in items]).to(dev, embeds.dtype)
+            joint.append(feature)
+        inputs["visual_pos_masks"] = visual
+        inputs["deepstack_visual_embeds"] = joint
     return inputs
 
 

@@ -83,10 +83,13 @@ class PendingEncode(_Pending):
 class PendingLLM(_Pending):
     """`encode_llm` whose device work may still run; `result()` waits and splits per image."""
 
-    def __init__(self, host, event, sizes: list[int], layers: int, grid: list[list[int]], timestamps=None):
+    def __init__(
+        self, host, event, sizes: list[int], layers: int, grid: list[list[int]], timestamps=None, per_grid=None
+    ):
         super().__init__(host, event)
         self._sizes, self._layers, self._grid = sizes, layers, grid
         self._timestamps = timestamps  # per item, a Qwen3-VL video's seconds per temporal patch, else None
+        self._per_grid = per_grid  # per item, a Qwen2/2.5-VL video's second_per_grid_ts, else None
 
     def result(self) -> list[LLMOutput]:
         host = self._wait()
@@ -96,8 +99,15 @@ class PendingLLM(_Pending):
         planes = host.view(1 + self._layers, -1, host.shape[-1]).unbind(0)
         split = [torch.split(p, self._sizes) for p in planes]
         stamps = self._timestamps or [None] * len(self._sizes)
+        per_grid = self._per_grid or [None] * len(self._sizes)
         return [
-            LLMOutput(split[0][i], tuple(self._grid[i]), [split[k][i] for k in range(1, 1 + self._layers)], stamps[i])
+            LLMOutput(
+                split[0][i],
+                tuple(self._grid[i]),
+                [split[k][i] for k in range(1, 1 + self._layers)],
+                stamps[i],
+                per_grid[i],
+            )
             for i in range(len(self._sizes))
         ]
 
@@ -257,7 +267,9 @@ class GraphEncoder:
         flat = torch.cat(out.tokens + [d[k] for k in range(layers) for d in out.deepstack]).to(dtype)
         host, event = to_host(flat)
         sizes = [t.shape[0] for t in out.tokens]
-        return PendingLLM(host, event, sizes, layers, batch.grid_thw.tolist(), batch.timestamps)
+        return PendingLLM(
+            host, event, sizes, layers, batch.grid_thw.tolist(), batch.timestamps, batch.second_per_grid_ts
+        )
 
     # -- text (CLIP / SigLIP checkpoints with their tokenizer) ---------------------------------
     @property

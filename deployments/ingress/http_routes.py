@@ -224,16 +224,17 @@ class HttpRoutes:
         return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=request.app.title)
 
     async def _input_types(self) -> list[str] | None:
-        """What `input` items the served model takes: ["image"] or ["image", "text"]; None while no encoder
-        replica has answered `describe()` (within a few seconds: the listing does not wait for start-up).
-        ["image"] at once when the application serves images only (`text=false`)."""
-        if not self.args.text:
-            return ["image"]
+        """What `input` items the served model takes: "image", then "text" (a text side, and not `text=false`)
+        and "video" (a Qwen tower: its video processor); None while no encoder replica has answered `describe()`
+        (within a few seconds: the listing does not wait for start-up). Asked even with `text=false`: whether the
+        model takes video is the replica's to say."""
         try:
             info = await asyncio.wait_for(asyncio.shield(self._client.info()), _MODELS_INFO_WAIT_S)
         except Exception:  # noqa: BLE001 - not started, unavailable: the listing goes without the field
             return None
-        return ["image", "text"] if info.get("text") else ["image"]
+        text = ["text"] if self.args.text and info.get("text") else []
+        video = ["video"] if info.get("video_config") is not None else []
+        return ["image", *text, *video]
 
     async def _model_object(self) -> dict:
         input_types = await self._input_types()
@@ -246,8 +247,8 @@ class HttpRoutes:
             "random_weights": self.args.random_weights,
             # extension: None, or "fp8" when the towers' block linears run in float8 (AppArgs.quantization)
             "quantization": self.args.quantization,
-            # extension: whether the model takes text (`input_type` "text", {"text": ...} items); absent while
-            # no encoder replica is up
+            # extension: whether the model takes text and video (`input_type` "text" / "video", {"text": ...} /
+            # {"video": ...} items); absent while no encoder replica is up
             **({"input_types": input_types} if input_types is not None else {}),
         }
 

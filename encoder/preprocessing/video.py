@@ -25,6 +25,10 @@ Two rule sets, by `kind` (transformers 5.17, `models/qwen2_vl/video_processing_q
   * Timestamps (Qwen3-VL's prompt, `Qwen3VLProcessor._calculate_timestamps`): the sampled indices padded with the
     last to a multiple of `temporal_patch_size`, each group's first and last index over the video's fps, averaged.
     A video given as frames without its fps is taken at 24 fps, as transformers does.
+  * Seconds per temporal patch (Qwen2.5-VL's `second_per_grid_ts`, which spaces the temporal M-RoPE positions of
+    a video: `Qwen2_5_VLProcessor._process_videos`, transformers 5.25): `temporal_patch_size` over the sampled
+    frame rate (`VideoMetadata.sampled_fps`: sampled frames / all frames x the video's fps; 24 when the fps is
+    unknown).
 """
 
 from __future__ import annotations
@@ -192,6 +196,15 @@ class VideoPreprocessConfig(PatchSizes, BaseModel):
         seconds = [i / fps for i in idx]
         return [(seconds[i] + seconds[i + tps - 1]) / 2 for i in range(0, len(seconds), tps)]
 
+    def second_per_grid(self, sampled: int, total: int, video_fps: float | None) -> float | None:
+        """Seconds one temporal patch spans when `sampled` of a video's `total` frames are used (Qwen2.5-VL's
+        `second_per_grid_ts`: temporal_patch_size / `VideoMetadata.sampled_fps`); None for "qwen3", whose
+        prompt carries timestamps instead. Qwen2-VL's LLM does not read it."""
+        if self.kind != "qwen2":
+            return None
+        sampled_fps = DEFAULT_FPS if video_fps is None else sampled / total * video_fps
+        return self.temporal_patch_size / sampled_fps
+
 
 def _sample_qwen2(cfg: VideoPreprocessConfig, total: int, video_fps: float | None) -> np.ndarray:
     tps = cfg.temporal_patch_size
@@ -266,6 +279,7 @@ class PreparedVideo:
     indices: np.ndarray  # the sampled frames' indices in the video
     fps: float | None  # the video's frame rate (None: unknown)
     timestamps: list[float] | None  # seconds per temporal patch (Qwen3-VL), else None
+    second_per_grid_ts: float | None = None  # seconds one temporal patch spans (Qwen2/2.5-VL), else None
 
 
 def check_frames(frames: Any, limits: VideoLimits = DEFAULT_VIDEO_LIMITS) -> np.ndarray:
@@ -291,15 +305,17 @@ def prepare_frames(frames: np.ndarray, video_fps: float | None, cfg: VideoPrepro
     """All of a video's frames (uint8 [N, H, W, 3]) -> its sampled frames resized, as the video processor."""
     check_frames(frames, cfg.limits)
     indices = cfg.sample_indices(frames.shape[0], video_fps)
-    return prepare_sampled(frames[indices], indices, video_fps, cfg)
+    return prepare_sampled(frames[indices], indices, video_fps, cfg, total=frames.shape[0])
 
 
 def prepare_sampled(
-    sampled: np.ndarray, indices: np.ndarray, video_fps: float | None, cfg: VideoPreprocessConfig
+    sampled: np.ndarray, indices: np.ndarray, video_fps: float | None, cfg: VideoPreprocessConfig, total: int
 ) -> PreparedVideo:
-    """Frames already sampled (`sampled` = all frames[indices]) -> resized, with the timestamps."""
+    """Frames already sampled (`sampled` = all frames[indices], out of `total`) -> resized, with the timestamps
+    (Qwen3-VL) or the seconds per temporal patch (Qwen2/2.5-VL)."""
     n, h, w, _ = sampled.shape
     height, width = cfg.target_size(n, h, w)
     resized = resize_frames(sampled, height, width)
     stamps = cfg.timestamps(indices, video_fps) if cfg.kind == "qwen3" else None
-    return PreparedVideo(np.ascontiguousarray(resized), np.asarray(indices), video_fps, stamps)
+    per_grid = cfg.second_per_grid(len(indices), total, video_fps)
+    return PreparedVideo(np.ascontiguousarray(resized), np.asarray(indices), video_fps, stamps, per_grid)

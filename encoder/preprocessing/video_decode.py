@@ -1,8 +1,8 @@
 """Decoding untrusted video bytes with PyAV (FFmpeg in a wheel), within `VideoLimits` (no torch).
 
 `decode_video(data, cfg)` returns the sampled frames as transformers' PyAV reader gives them
-(`frame.to_ndarray(format="rgb24")`, frames counted from 0 in decode order) and the video's frame rate
-(`stream.average_rate`, what transformers' PyAV reader reports), sampled by the config's rule
+(`frame.to_ndarray(format="rgb24")`, frames counted from 0 in decode order), the video's frame rate
+(`stream.average_rate`, what transformers' PyAV reader reports) and its frame count, sampled by the config's rule
 (`VideoPreprocessConfig.sample_indices`) over the frames the stream really holds:
 
 1. The container is recognised by its first bytes (MP4 / MOV / 3GP: an ISO box; WebM / Matroska: the EBML
@@ -192,8 +192,9 @@ def read_header(data: bytes, limits: VideoLimits) -> tuple[VideoHeader, int]:
     return header, total
 
 
-def decode_video(data: bytes, cfg: VideoPreprocessConfig) -> tuple[np.ndarray, np.ndarray, float | None]:
-    """(sampled frames uint8 [n, H, W, 3], their indices, the video's fps) of encoded video bytes."""
+def decode_video(data: bytes, cfg: VideoPreprocessConfig) -> tuple[np.ndarray, np.ndarray, float | None, int]:
+    """(sampled frames uint8 [n, H, W, 3], their indices, the video's fps, the frames they were sampled from) of
+    encoded video bytes."""
     limits = cfg.limits
     started = time.monotonic()
     header, total = read_header(bytes(data), limits)
@@ -203,17 +204,18 @@ def decode_video(data: bytes, cfg: VideoPreprocessConfig) -> tuple[np.ndarray, n
     if decoded != total:  # the decoder disagrees with the demuxer's count: sample from what it decoded
         if decoded == 0:
             raise InvalidVideoError(f"the {header.format} video decodes to no frames")
-        indices = cfg.sample_indices(decoded, header.fps)
+        total = decoded
+        indices = cfg.sample_indices(total, header.fps)
         _check_kept(len(indices), header, limits)
         if not set(indices.tolist()) <= kept.keys():
             kept, decoded = _decode_kept(data, header, set(indices.tolist()), limits, started)
     missing = [int(i) for i in indices if int(i) not in kept]
     if missing:
         raise VideoDecodeError(f"video frames {missing[:5]} could not be decoded")
-    return np.stack([kept[int(i)] for i in indices]), indices, header.fps
+    return np.stack([kept[int(i)] for i in indices]), indices, header.fps, total
 
 
 def load_video(data: bytes, cfg: VideoPreprocessConfig) -> PreparedVideo:
     """Encoded video bytes -> its sampled frames, resized (`encoder.preprocessing.video.prepare_sampled`)."""
-    frames, indices, fps = decode_video(data, cfg)
-    return prepare_sampled(frames, indices, fps, cfg)
+    frames, indices, fps, total = decode_video(data, cfg)
+    return prepare_sampled(frames, indices, fps, cfg, total=total)

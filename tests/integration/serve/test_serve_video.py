@@ -127,6 +127,9 @@ def test_http_video_items_mixed_with_images(app, ref, clips):
     close(data[2]["embedding"], want[1])
     patches = sum(videos.patch_counts()) + sum(image.patch_counts())
     assert r.json()["usage"]["prompt_tokens"] == patches
+    with httpx.Client(base_url=app.base_url, timeout=30) as client:
+        (model,) = client.get("/v1/models").json()["data"]
+    assert model["input_types"] == ["image", "video"]  # a Qwen tower (this preset has no text side)
 
 
 def test_http_video_llm_outputs_carry_grid_and_timestamps(app, ref, clips):

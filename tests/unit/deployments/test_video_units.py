@@ -1,6 +1,7 @@
 """Video in the service without Ray (issue 47 item 1): the wire's patch count, the replica's shape checks and its
 mixed image / video patchify, the ingress's video strings, item order and labels, the error table's video codes,
-and the video decode pool (PyAV in a worker process, timestamps back with the frames)."""
+the video decode pool (PyAV in a worker process, timestamps back with the frames) and `/v1/models`'s
+`input_types`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import asyncio
 import base64
 
 import numpy as np
+import orjson
 import pytest
 import torch
+from starlette.requests import Request
 
 from deployments.errors import ErrorCode, RequestError, classify
 from deployments.ingress.decode_pool import DecodePool, decode_video_frames
@@ -28,6 +31,7 @@ from encoder.patchify import patchify, patchify_video, stack_patchify
 from encoder.preprocessing.qwen import PreprocessConfig as QwenPreprocessConfig
 from encoder.preprocessing.video import VideoPreprocessConfig
 from encoder.preprocessing.video_decode import load_video
+from tests.unit.deployments.ingress.test_text_requests_units import TextClient, routes
 from tests.video_util import make_video
 
 VCFG = VideoPreprocessConfig.defaults("qwen3")
@@ -211,3 +215,33 @@ def test_video_decode_pool_applies_the_limits_and_reports_their_codes():
             with pytest.raises(error) as info:
                 pool.decode(data, 30.0)
         assert classify(info.value).error is code, limits
+
+
+def test_v1_models_lists_video_where_the_model_takes_it():
+    """`input_types` has "video" when the replica's `describe()` has a video processor (a Qwen tower), with or
+    without the text side, `text=false` included; the field is absent while no encoder replica answers."""
+
+    class Encoder(TextClient):
+        def __init__(self, text: bool, video: bool):
+            super().__init__(text)
+            self.video = video
+
+        async def info(self) -> dict:
+            return await super().info() | {"video_config": VCFG if self.video else None}
+
+    class Down(TextClient):
+        async def info(self) -> dict:
+            raise ConnectionError("no encoder replica yet")
+
+    request = Request({"type": "http", "method": "GET", "path": "/v1/models", "headers": []})
+
+    def listed(client, **args) -> dict:
+        (model,) = orjson.loads(asyncio.run(routes(client, **args).models(request)).body)["data"]
+        return model
+
+    assert listed(Encoder(text=False, video=True))["input_types"] == ["image", "video"]  # Qwen-VL
+    assert listed(Encoder(text=False, video=False))["input_types"] == ["image"]  # DINOv2
+    assert listed(Encoder(text=True, video=False))["input_types"] == ["image", "text"]  # CLIP
+    assert listed(Encoder(text=True, video=True))["input_types"] == ["image", "text", "video"]
+    assert listed(Encoder(text=True, video=True), text=False)["input_types"] == ["image", "video"]
+    assert "input_types" not in listed(Down())

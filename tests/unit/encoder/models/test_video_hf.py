@@ -83,8 +83,14 @@ def test_video_tokens_and_deepstack_equal_hf_get_video_features(checkpoint, vide
             assert rel(feature, deep_ref[k][i]) <= 1e-5
         if family == "qwen3_vl":
             assert out.timestamps == batch.timestamps[i] and len(out.timestamps) == out.grid_thw[0]
-        else:
+            assert out.second_per_grid_ts is None
+        else:  # what Qwen2_5_VLProcessor computes: temporal_patch_size / VideoMetadata.sampled_fps
+            from transformers.video_utils import VideoMetadata
+
+            n, fps = VIDEOS[i][0], VIDEOS[i][3]
+            meta = VideoMetadata(total_num_frames=n, fps=fps, frames_indices=enc.video_config.sample_indices(n, fps))
             assert out.timestamps is None
+            assert out.second_per_grid_ts == pytest.approx(enc.video_config.temporal_patch_size / meta.sampled_fps)
     means = enc.encode(batch, pooling="mean")  # one vector per video
     assert [m.shape for m in means] == [(enc.out_dim,)] * len(videos)
     for m, out in zip(means, outs, strict=True):
@@ -108,6 +114,7 @@ def test_graph_path_equals_eager_for_mixed_videos_and_images(checkpoint, videos)
     got = graphs.encode_llm(mixed)
     for g, e in zip(got, eager, strict=True):
         assert g.grid_thw == e.grid_thw and g.timestamps == e.timestamps
+        assert g.second_per_grid_ts == e.second_per_grid_ts
         assert rel(g.tokens, e.tokens) <= 1e-5
         for gd, ed in zip(g.deepstack, e.deepstack, strict=True):
             assert rel(gd, ed) <= 1e-5

@@ -1,7 +1,8 @@
 """`preprocess_videos` against transformers' own `Qwen2VLVideoProcessor` / `Qwen3VLVideoProcessor` on the same
 decoded frames (uint8 arrays with their fps as video metadata): `pixel_values_videos` equal (<= 1e-6; the same
-arithmetic gives them bit for bit), `video_grid_thw` equal, and Qwen3-VL's timestamps as its processor computes
-them from the sampled indices. transformers' video processors need torchvision (their resize is torchvision's),
+arithmetic gives them bit for bit), `video_grid_thw` equal, Qwen3-VL's timestamps as its processor computes
+them from the sampled indices, and Qwen2.5-VL's `second_per_grid_ts` as its processor computes it from the video
+metadata. transformers' video processors need torchvision (their resize is torchvision's),
 which does not install beside the CPU torch of the development machines: the test is skipped there and runs on
 the GPU machine (`bash benchmarks/device_run.sh video`). No PyAV needed."""
 
@@ -63,6 +64,9 @@ def test_preprocess_video_equals_transformers(case):
         indices = out["video_metadata"][0].frames_indices
         stamps = Qwen3VLProcessor._calculate_timestamps(None, indices, fps, cfg.temporal_patch_size)
         assert ours.timestamps == [stamps]
+    else:  # Qwen2_5_VLProcessor._process_videos: temporal_patch_size / the metadata's sampled fps
+        per_grid = cfg.temporal_patch_size / out["video_metadata"][0].sampled_fps
+        assert ours.second_per_grid_ts == [pytest.approx(per_grid, rel=1e-12)]
 
 
 def test_the_saved_processor_file_reads_back():

@@ -22,6 +22,7 @@ from encoder.errors import (
     VideoDecodeError,
     VideoTooLargeError,
 )
+from encoder.patch_batch import PatchBatch
 from encoder.patchify import patchify_video, preprocess_videos
 from encoder.preprocessing.resample import resize_frames
 from encoder.preprocessing.video import VideoLimits, VideoPreprocessConfig, prepare_frames, qwen3_smart_resize
@@ -97,6 +98,50 @@ def test_qwen3_sampling_and_timestamps_by_hand():
     assert off.sample_indices(5, 30.0).tolist() == list(range(5))
     with pytest.raises(InvalidVideoError, match="no frames"):
         QWEN3.sample_indices(0, 30.0)
+
+
+SAMPLED_QWEN2 = VideoPreprocessConfig.defaults("qwen2", do_sample_frames=True, fps=2.0)
+
+
+@pytest.mark.parametrize(
+    "cfg,total,video_fps",
+    [(QWEN2, 12, 4.0), (QWEN2, 7, 23.976), (QWEN2, 5, None), (SAMPLED_QWEN2, 40, 10.0), (SAMPLED_QWEN2, 31, 23.976),
+     (VideoPreprocessConfig.defaults("qwen2", do_sample_frames=True, num_frames=6), 13, 25.0)],
+)  # fmt: skip
+def test_second_per_grid_equals_transformers_sampled_fps(cfg, total, video_fps):
+    """Qwen2.5-VL's `second_per_grid_ts`, as `Qwen2_5_VLProcessor._process_videos` computes it: temporal_patch_size
+    over the video metadata's `sampled_fps` (transformers' own `VideoMetadata`, which needs no torchvision); the
+    processor leaves `frames_indices` unset for frames given without sampling, and `sampled_fps` is then the fps."""
+    from transformers.video_utils import VideoMetadata
+
+    indices = cfg.sample_indices(total, video_fps)
+    sampled = indices if cfg.do_sample_frames else None
+    meta = VideoMetadata(total_num_frames=total, fps=video_fps, frames_indices=sampled)
+    want = cfg.temporal_patch_size / meta.sampled_fps
+    assert cfg.second_per_grid(len(indices), total, video_fps) == pytest.approx(want, rel=1e-12)
+    batch = preprocess_videos(frames(total, 28, 56), cfg, fps=video_fps)
+    assert batch.second_per_grid_ts == [pytest.approx(want, rel=1e-12)] and batch.timestamps is None
+    assert QWEN3.second_per_grid(4, 9, 6.0) is None  # Qwen3-VL's prompt carries timestamps instead
+    assert preprocess_videos(frames(9, 32, 32), QWEN3, fps=6.0).second_per_grid_ts is None
+
+
+def test_video_facts_follow_their_items_through_split_and_concat():
+    """Timestamps and seconds per temporal patch stay with their video when batches are cut and joined; an image
+    has neither; a per-item list of the wrong length is refused."""
+    qwen2 = preprocess_videos([frames(4, 28, 28), frames(6, 28, 56, seed=1)], QWEN2, fps=8.0)
+    assert qwen2.second_per_grid_ts == [0.25, 0.25]
+    image = PatchBatch(torch.zeros(4, QWEN2.patch_dim), [[1, 2, 2]])
+    qwen3_at_14 = VideoPreprocessConfig.defaults("qwen3", patch_size=14, min_pixels=28 * 28)  # patches as Qwen2's
+    qwen3 = preprocess_videos(frames(9, 28, 28), qwen3_at_14, fps=6.0)
+    mixed = PatchBatch.concat([qwen2.split([1]), image, qwen3, qwen2.split([0])])
+    assert mixed.second_per_grid_ts == [0.25, None, None, 0.25]
+    assert mixed.timestamps == [None, None, qwen3.timestamps[0], None]
+    picked = mixed.split([3, 2])
+    assert picked.second_per_grid_ts == [0.25, None] and picked.second_per_grid_ts_of(0) == 0.25
+    assert picked.timestamps_of(1) == qwen3.timestamps[0]
+    assert PatchBatch.concat([image, image]).second_per_grid_ts is None
+    with pytest.raises(InvalidArgumentError, match="second_per_grid_ts has 2 entries for 1 grid_thw rows"):
+        PatchBatch(image.pixel_values, image.grid_thw, second_per_grid_ts=[0.5, 0.5])
 
 
 def test_sizes_by_transformers_formulas():
@@ -202,8 +247,8 @@ def test_decode_equals_pyav_frames_sampled(spec, cfg):
     data = make_video(n, h, w, fps, codec, fmt)
     every, rate = decoded(data)
     assert every.shape == (n, h, w, 3) and rate == fps
-    sampled, indices, got_fps = decode_video(data, cfg)
-    assert got_fps == fps
+    sampled, indices, got_fps, total = decode_video(data, cfg)
+    assert got_fps == fps and total == n
     np.testing.assert_array_equal(indices, cfg.sample_indices(n, fps))
     np.testing.assert_array_equal(sampled, every[indices])
     # bytes and the same frames as an array give the same batch
@@ -212,6 +257,7 @@ def test_decode_equals_pyav_frames_sampled(spec, cfg):
     assert torch.equal(from_bytes.pixel_values, from_array.pixel_values)
     assert from_bytes.grid_thw.tolist() == from_array.grid_thw.tolist()
     assert from_bytes.timestamps == from_array.timestamps
+    assert from_bytes.second_per_grid_ts == from_array.second_per_grid_ts
 
 
 def test_container_is_recognised_by_its_magic():
