@@ -7,6 +7,10 @@ import asyncio
 import time
 
 
+class Rejected(Exception):
+    """An HTTP 429: the ingress's backpressure, as `OverCapacityError` is through a handle."""
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -20,8 +24,10 @@ async def run_load(kind: str, target, payloads: list, clients: int, duration: fl
     kind "handle": target is an ingress DeploymentHandle, payload a list of uint8 arrays;
     kind "http": target a base URL, payload a JSON body. Returns images and per-call latencies.
     """
+    from deployments.ingress.limits import OverCapacityError
+
     latencies: dict[int, list[float]] = {}
-    count = 0
+    count = rejected = 0
     session = None
     if kind == "http":
         import aiohttp
@@ -34,17 +40,26 @@ async def run_load(kind: str, target, payloads: list, clients: int, duration: fl
             await target.embed.remote(payload)
         else:
             async with session.post(f"{target}/v1/embeddings", data=payload) as r:
+                if r.status == 429:
+                    raise Rejected(await r.text())
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
                 await r.read()
 
     async def client(i: int, stop: float) -> None:
-        nonlocal count
+        nonlocal count, rejected
         k = i
         while time.perf_counter() < stop:
             payload = payloads[k % len(payloads)]
             t = time.perf_counter()
-            await call(payload)
+            try:
+                await call(payload)
+            except (OverCapacityError, Rejected):
+                # the ingress's backpressure (its in-flight bytes at their limit): as a client told 429 does, wait a
+                # moment and send again; not a completed call
+                rejected += 1
+                await asyncio.sleep(0.005)
+                continue
             latencies.setdefault(k % len(payloads), []).append(time.perf_counter() - t)
             count += per_call
             k += clients
@@ -52,13 +67,13 @@ async def run_load(kind: str, target, payloads: list, clients: int, duration: fl
     try:
         await asyncio.gather(*(client(i, time.perf_counter() + min(1.0, duration / 4)) for i in range(clients)))  # warm
         latencies.clear()
-        count, start = 0, time.perf_counter()
+        count, rejected, start = 0, 0, time.perf_counter()
         await asyncio.gather(*(client(i, start + duration) for i in range(clients)))
         elapsed = time.perf_counter() - start
     finally:
         if session is not None:
             await session.close()
-    return {"images": count, "seconds": elapsed, "latencies": latencies}
+    return {"images": count, "seconds": elapsed, "latencies": latencies, "rejected": rejected}
 
 
 async def load(a, kind: str, target, payloads: list, clients: int, per_call: int = 1, app_name: str = "bench") -> dict:
@@ -83,7 +98,8 @@ async def load(a, kind: str, target, payloads: list, clients: int, per_call: int
     tgt = target if kind == "http" else None
     parts = await asyncio.gather(*[c.run.remote(kind, tgt, payloads, clients // procs + (i < clients % procs),
                                                 a.duration, per_call) for i, c in enumerate(actors)])  # fmt: skip
-    merged = {"images": sum(p["images"] for p in parts), "seconds": max(p["seconds"] for p in parts), "latencies": {}}
+    merged = {"images": sum(p["images"] for p in parts), "seconds": max(p["seconds"] for p in parts), "latencies": {},
+              "rejected": sum(p.get("rejected", 0) for p in parts)}  # fmt: skip
     for p in parts:
         for key, values in p["latencies"].items():
             merged["latencies"].setdefault(key, []).extend(values)
@@ -97,4 +113,4 @@ def row(name: str, result: dict, keys=None) -> dict:
     lat = [v for k, vs in result["latencies"].items() if keys is None or k in keys for v in vs]
     done = result["images"] if keys is None else len(lat)
     return {"phase": name, "img_s": done / result["seconds"], "p50_ms": pct(lat, 50) * 1e3,
-            "p99_ms": pct(lat, 99) * 1e3, "calls": len(lat)}  # fmt: skip
+            "p99_ms": pct(lat, 99) * 1e3, "calls": len(lat), "rejected": result.get("rejected", 0)}  # fmt: skip

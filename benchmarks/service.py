@@ -490,7 +490,8 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         share = 100 * r["img_s"] / engine
-        print(f"| {r['phase']} | {r['img_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {share:.0f}% |")
+        phase = r["phase"] + (f" ({r['rejected']} sent again after a 429)" if r.get("rejected") else "")
+        print(f"| {phase} | {r['img_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {share:.0f}% |")
     if a.json:
         args = vars(a) | {"skip": sorted(a.skip)}  # a set: not JSON
         Path(a.json).write_text(json.dumps({"args": args, "rows": rows}, indent=2))
