@@ -137,7 +137,9 @@ for s in $steps; do
             grep -v "^{" "$OUT/towers.log" > "$OUT/towers.md" ;;
     towertests) timeout $(budget 150) python3 -m pytest -q -m gpu tests/unit/encoder/models/test_siglip2_gpu.py \
                   tests/unit/encoder/models/test_dino_gpu.py tests/unit/workspace/test_text_graphs_gpu.py \
-                  -p no:cacheprovider 2>&1 | tail -30 > "$OUT/tower_tests.txt" ;;
+                  -p no:cacheprovider --tb=short -W ignore::DeprecationWarning > "$OUT/tower_tests_full.txt" 2>&1
+                grep -E "^E |^FAILED|passed|failed|^tests/.*Error|^_+ test" "$OUT/tower_tests_full.txt" | head -60 \
+                  > "$OUT/tower_tests.txt" ;;
     batch) timeout $(budget 240) python3 -m benchmarks.batch --as-checkpoint --num-images 20000 --markdown "$OUT/batch.md" \
              > "$OUT/batch.log" 2>&1 ;;
     batch100k) timeout $(budget 400) python3 -m benchmarks.batch --as-checkpoint --num-images 100000 \
