@@ -83,16 +83,16 @@ def _serve(conn, decode_fn: Callable, cfg) -> None:
         while True:
             data = conn.recv_bytes()
             try:
-                pixels, meta = decode_fn(data, cfg), None
+                pixels, meta, with_meta = decode_fn(data, cfg), None, False
                 if isinstance(pixels, tuple):  # (pixels, picklable facts about them): a video's timestamps
-                    pixels, meta = pixels
+                    (pixels, meta), with_meta = pixels, True  # sent back even when None (a Qwen2-VL video's)
                 pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
             except EncoderError as e:
                 conn.send(("error", type(e), str(e)))
             except Exception as e:  # noqa: BLE001 - a bug in the decode function: reported, the worker lives on
                 conn.send(("bug", type(e).__name__, reason(e)))
             else:
-                conn.send(("ok", pixels.shape) if meta is None else ("ok", pixels.shape, meta))
+                conn.send(("ok", pixels.shape, meta) if with_meta else ("ok", pixels.shape))
                 conn.send_bytes(pixels.reshape(-1))
     # The pool closed the pipe (EOFError) or its process died: a reset (ConnectionResetError, when it left a
     # message of ours unread, as a replica stopped by Ctrl-C does) or a broken pipe on our answer. Nobody is

@@ -122,12 +122,16 @@ def test_video_errors_have_codes(exc, code, status):
     assert classify(exc).error is code and code.status == status
 
 
-def test_video_decode_pool_returns_frames_and_timestamps():
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_video_decode_pool_returns_frames_and_timestamps(kind):
+    """A video's facts come back with its frames, None included (a Qwen2-VL video has no timestamps)."""
+    cfg = VideoPreprocessConfig.defaults(kind)
     data = make_video(9, 48, 64, fps=10)
-    want = load_video(data, VCFG)
-    with DecodePool(1, cfg=VCFG, decode_fn=decode_video_frames, context="spawn") as pool:
+    want = load_video(data, cfg)
+    with DecodePool(1, cfg=cfg, decode_fn=decode_video_frames, context="spawn") as pool:
         got, stamps = asyncio.run(pool.decode_async(data, 30.0))
         assert np.array_equal(got, want.frames) and stamps == want.timestamps
+        assert (stamps is None) == (kind == "qwen2")
         with pytest.raises(VideoDecodeError):
             pool.decode(data[: len(data) // 2], 30.0)
 
