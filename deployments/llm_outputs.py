@@ -5,7 +5,8 @@ Per image the encoder replica's `encode_llm_pixels` returns a `WireLLM` tuple `(
 in the requested wire dtype, and the patch grid `(t, h, w)`. The engine casts on the device before its one
 copy to host memory (`GraphEncoder.encode_llm_async(..., dtype)`), so the results thread only makes numpy
 views; a bfloat16 answer crosses the process boundary at half the bytes of float32 and the ingress only
-base64-encodes the buffers.
+base64-encodes the buffers. A video's tuple gets its facts appended by the ingress, which decoded it
+(`VIDEO_FACTS`, `video_facts`): `(tokens, deepstack, grid_thw, timestamps, second_per_grid_ts)`.
 
 Wire dtypes (`EMBEDDING_DTYPES`):
   * `float32`: the engine's float32 values, as they are.
@@ -35,6 +36,11 @@ _NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfl
 
 # (tokens [n, out_dim], [deepstack layer [n, out_dim], ...], (t, h, w)), arrays in the wire dtype
 WireLLM = tuple[np.ndarray, list[np.ndarray], tuple[int, int, int]]
+# What a video's `WireLLM` carries after its grid, in this order (`encoder.outputs.LLMOutput`'s fields): Qwen3-VL's
+# `timestamps` (seconds of each temporal patch, its prompt's `<t seconds>`) and Qwen2/2.5-VL's `second_per_grid_ts`
+# (the seconds one temporal patch spans, which Qwen2.5-VL's M-RoPE steps its temporal positions by); None where the
+# tower has no such fact.
+VIDEO_FACTS = ("timestamps", "second_per_grid_ts")
 
 
 def check_dtype(dtype: str) -> str:
@@ -107,8 +113,14 @@ def wire_outputs(outputs, dtype: str) -> list[WireLLM]:
     ]
 
 
+def video_facts(wire: tuple) -> dict:
+    """The facts after a video's `WireLLM` grid (`VIDEO_FACTS`) that are not None, by name: `{"timestamps": [t
+    floats]}` (Qwen3-VL) or `{"second_per_grid_ts": float}` (Qwen2/2.5-VL); `{}` for an image."""
+    return {name: value for name, value in zip(VIDEO_FACTS, wire[3:], strict=False) if value is not None}
+
+
 def handle_item(wire: WireLLM) -> dict:
-    """The handle API's per-image dict: `{"tokens", "deepstack", "grid_thw"}`."""
-    tokens, deepstack, grid, *stamps = wire  # a video's: its timestamps after the grid (Qwen3-VL; else None)
-    item = {"tokens": tokens, "deepstack": list(deepstack), "grid_thw": list(grid)}
-    return item | {"timestamps": stamps[0]} if stamps and stamps[0] is not None else item
+    """The handle API's per-image dict: `{"tokens", "deepstack", "grid_thw"}`, a video's facts too (`video_facts`:
+    `"timestamps"` for Qwen3-VL, `"second_per_grid_ts"` for Qwen2/2.5-VL)."""
+    tokens, deepstack, grid = wire[:3]
+    return {"tokens": tokens, "deepstack": list(deepstack), "grid_thw": list(grid)} | video_facts(wire)

@@ -61,10 +61,10 @@ def check_vllm_model(family: str | None, model_name: str, param: str = "embeddin
 
 def vllm_wire(wire: WireLLM) -> WireLLM:
     """One image's `WireLLM` in the vLLM layout: `(tokens ++ deepstack on the last axis, [], grid)`."""
-    tokens, deepstack, grid, *stamps = wire  # a video's timestamps stay after the grid
+    tokens, deepstack, grid, *facts = wire  # a video's facts (timestamps, second_per_grid_ts) stay after the grid
     if not deepstack:
-        return tokens, [], grid, *stamps
-    return np.concatenate([tokens, *deepstack], axis=1), [], grid, *stamps
+        return tokens, [], grid, *facts
+    return np.concatenate([tokens, *deepstack], axis=1), [], grid, *facts
 
 
 def check_uuid(uuid: object, where: str = "ec_cache_uuids") -> str:

@@ -62,13 +62,14 @@ def decode_resized(data: bytes, cfg: ProcessorConfig) -> np.ndarray:
     return cfg.resize(load_image(data, cfg))
 
 
-def decode_video_frames(data: bytes, cfg) -> tuple[np.ndarray, list[float] | None]:
+def decode_video_frames(data: bytes, cfg) -> tuple[np.ndarray, tuple[list[float] | None, float | None]]:
     """A video pool's decode (`cfg`: a `VideoPreprocessConfig`, its limits included): the sampled frames resized,
-    uint8 [n, h, w, 3], and Qwen3-VL's timestamps (`encoder.preprocessing.video_decode.load_video`)."""
+    uint8 [n, h, w, 3], and the video's facts `(timestamps, second_per_grid_ts)`: Qwen3-VL's timestamps, Qwen2/2.5-VL's
+    seconds per temporal patch, None where the tower has none (`encoder.preprocessing.video_decode.load_video`)."""
     from encoder.preprocessing.video_decode import load_video  # PyAV: only in the processes that decode videos
 
     prepared = load_video(data, cfg)
-    return prepared.frames, prepared.timestamps
+    return prepared.frames, (prepared.timestamps, prepared.second_per_grid_ts)
 
 
 def _serve(conn, decode_fn: Callable, cfg) -> None:
@@ -83,16 +84,16 @@ def _serve(conn, decode_fn: Callable, cfg) -> None:
         while True:
             data = conn.recv_bytes()
             try:
-                pixels, meta = decode_fn(data, cfg), None
-                if isinstance(pixels, tuple):  # (pixels, picklable facts about them): a video's timestamps
-                    pixels, meta = pixels
+                pixels, meta, with_meta = decode_fn(data, cfg), None, False
+                if isinstance(pixels, tuple):  # (pixels, picklable facts about them): a video's timestamps, ...
+                    (pixels, meta), with_meta = pixels, True  # sent back even when None (a Qwen2-VL video's)
                 pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
             except EncoderError as e:
                 conn.send(("error", type(e), str(e)))
             except Exception as e:  # noqa: BLE001 - a bug in the decode function: reported, the worker lives on
                 conn.send(("bug", type(e).__name__, reason(e)))
             else:
-                conn.send(("ok", pixels.shape) if meta is None else ("ok", pixels.shape, meta))
+                conn.send(("ok", pixels.shape, meta) if with_meta else ("ok", pixels.shape))
                 conn.send_bytes(pixels.reshape(-1))
     # The pool closed the pipe (EOFError) or its process died: a reset (ConnectionResetError, when it left a
     # message of ours unread, as a replica stopped by Ctrl-C does) or a broken pipe on our answer. Nobody is

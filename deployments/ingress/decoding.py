@@ -157,8 +157,9 @@ class IngressDecoder:
 
     async def prepare_videos(
         self, videos: list, vcfg, label: str | Callable[[int], str]
-    ) -> list[tuple[np.ndarray, list[float] | None]]:
-        """Per video its sampled, resized frames (uint8 [n, h, w, 3]) and Qwen3-VL's timestamps (else None), as
+    ) -> list[tuple[np.ndarray, list[float] | None, float | None]]:
+        """Per video `(frames, timestamps, second_per_grid_ts)`: its sampled, resized frames (uint8 [n, h, w, 3]),
+        Qwen3-VL's timestamps and Qwen2/2.5-VL's seconds per temporal patch (each None for the other), as
         the model's video processor (`vcfg`, a `VideoPreprocessConfig` with its `limits`): encoded videos (bytes,
         data URLs, base64) decoded in the video decode processes, killed past `max_decode_s` (+1 s); frame arrays
         (uint8 [frames, H, W, 3], taken at 24 fps) sampled and resized in the thread pool. Errors name the
@@ -166,7 +167,7 @@ class IngressDecoder:
         loop = asyncio.get_running_loop()
         limits = vcfg.limits
 
-        async def one(i: int, x: Any) -> tuple[np.ndarray, list[float] | None]:
+        async def one(i: int, x: Any) -> tuple[np.ndarray, list[float] | None, float | None]:
             try:
                 if isinstance(x, str):
                     x = parse_video_string(x, limits.max_bytes)
@@ -176,10 +177,11 @@ class IngressDecoder:
                             f"video is {len(x)} bytes, over the limit max_bytes={limits.max_bytes}"
                         )
                     procs = await self._video_pool(vcfg)
-                    return await procs.decode_async(bytes(x), limits.max_decode_s + 1.0)
+                    frames, (stamps, per_grid) = await procs.decode_async(bytes(x), limits.max_decode_s + 1.0)
+                    return frames, stamps, per_grid
                 if isinstance(x, np.ndarray):
                     prepared = await loop.run_in_executor(self._pool, prepare_frames, x, None, vcfg)
-                    return prepared.frames, prepared.timestamps
+                    return prepared.frames, prepared.timestamps, prepared.second_per_grid_ts
                 raise InvalidVideoError(
                     f"unsupported video type {type(x).__name__}; expected encoded bytes, a data URL or base64 "
                     "string, or a uint8 array [frames, height, width, 3]"

@@ -36,7 +36,7 @@ from deployments.ingress.inputs import harden_pillow
 from deployments.ingress.limits import Admission
 from deployments.ingress.openai_api import EmbeddingRequest, api
 from deployments.ingress.security import ApiKeyAuth, UrlFetcher
-from deployments.llm_outputs import handle_item
+from deployments.llm_outputs import handle_item, video_facts
 from deployments.metrics import IngressTelemetry, rss_bytes
 from deployments.ray_compat import check_ray, describe_request_path, quiet_serve_noise
 from deployments.shutdown import DrainWatch
@@ -51,9 +51,9 @@ _OPENAPI_BODY = {
 
 
 def vllm_item(wire) -> dict:
-    """The handle's per-item dict of the vLLM layout: `{"embeds", "grid_thw"}`, a video's `"timestamps"` too."""
-    item = {"embeds": wire[0], "grid_thw": list(wire[2])}
-    return item | {"timestamps": wire[3]} if len(wire) > 3 and wire[3] is not None else item
+    """The handle's per-item dict of the vLLM layout: `{"embeds", "grid_thw"}`, a video's facts too
+    (`llm_outputs.video_facts`: `"timestamps"` or `"second_per_grid_ts"`)."""
+    return {"embeds": wire[0], "grid_thw": list(wire[2])} | video_facts(wire)
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
@@ -140,7 +140,9 @@ class VisionIngress:
         (docs/llm-handoff.md); another tower is refused (`RequestError`, code `invalid_layout`). `cache`,
         `cache_uuids`: as `embed`'s.
         `videos` as `embed`, after the images: a video's `grid_thw` has t > 1 (its temporal patches) and, for
-        Qwen3-VL, `"timestamps"`: seconds per temporal patch, as the processor puts them in the prompt."""
+        Qwen3-VL, `"timestamps"`: seconds per temporal patch, as the processor puts them in the prompt; for
+        Qwen2/2.5-VL, `"second_per_grid_ts"`: the seconds one temporal patch spans (a float), which Qwen2.5-VL's
+        M-RoPE steps the video's temporal positions by (vLLM's `second_per_grid_ts` of the video)."""
         wires = await self._handle(
             images, "none", dtype or "float32", layout, videos=videos, cache=cache, cache_uuids=cache_uuids
         )

@@ -61,7 +61,8 @@ class HandleCalls:
     ) -> list:  # fmt: skip
         """Per image, then per video, a pooled vector (`llm` None) or a `WireLLM` tuple in the wire dtype `llm`
         (`layout` "vllm": its tokens and DeepStack layers concatenated, `vllm_handoff.vllm_wire`); a video's tuple
-        has its timestamps after the grid (None but for Qwen3-VL). `cache`: False bypasses the encoder cache;
+        has its facts after the grid, `(..., timestamps, second_per_grid_ts)` (`llm_outputs.VIDEO_FACTS`: Qwen3-VL's
+        timestamps, Qwen2/2.5-VL's second_per_grid_ts, None otherwise). `cache`: False bypasses the encoder cache;
         `cache_uuids`: per image the caller's own cache key or None (handle callers are one scope); videos are
         never cached (always decoded and encoded)."""
         started = time.perf_counter()

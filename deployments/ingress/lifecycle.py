@@ -254,8 +254,8 @@ class Lifecycle:
             pooling = resolve_pooling(order.pooling, info, self.args.model_name)
             self._check_dimensions(order.dimensions, info["output_dims"][pooling], pooling)
         # Images and texts are looked up in the encoder cache (when it is on and not bypassed); videos never are:
-        # they are always decoded and encoded (their outputs are not stored), so their results, timestamps and
-        # errors are video-serve's whatever the cache holds.
+        # they are always decoded and encoded (their outputs are not stored), so their results, timestamps,
+        # second_per_grid_ts and errors are video-serve's whatever the cache holds.
         lookup = await self._lookup(order, info, pooling if order.images else None,
                                     text_pooling if text is not None else None)  # fmt: skip
         image_items, texts = order.images, order.texts
@@ -276,7 +276,7 @@ class Lifecycle:
         elif hit_patches and order.max_patches is not None:  # every image a hit: the request's limit
             check_request_patches(hit_patches + video_patches, order.max_patches)
         n_images = len(images) if images is not None else 0
-        arrays = (images or []) + [frames for frames, _ in videos]
+        arrays = (images or []) + [frames for frames, *_ in videos]
         encode_at = time.perf_counter()
         deadline = time.time() + self.args.request_timeout_s - flight.elapsed()
         calls = []
@@ -292,8 +292,9 @@ class Lifecycle:
         image_out, video_out, text_out, tokens = [], [], [], []
         if image_items or videos:
             image_out, flight.patches = results[0]
-            if order.llm is not None and videos:  # a video's LLM outputs carry its timestamps after the grid
-                stamped = [(*w, s) for w, (_, s) in zip(image_out[n_images:], videos, strict=True)]
+            if order.llm is not None and videos:  # a video's LLM outputs carry its facts after the grid
+                # (`llm_outputs.VIDEO_FACTS`: timestamps, second_per_grid_ts)
+                stamped = [(*w, *facts) for w, (_, *facts) in zip(image_out[n_images:], videos, strict=True)]
                 image_out = image_out[:n_images] + stamped
             if order.layout == "vllm":
                 image_out = [vllm_wire(w) for w in image_out]
@@ -312,9 +313,9 @@ class Lifecycle:
         return order.ordered(image_out, text_out, video_out)
 
     async def _videos(self, order: EmbedOrder, info: dict, reserve: Callable[[int], None]) -> tuple[list, int]:
-        """The order's videos decoded (`IngressDecoder.prepare_videos`: per video its frames and timestamps) and
-        their patches (`cfg.grid` of the sampled frames) checked against the request's limit and reserved; 400
-        `video_not_supported` for a tower without a video processor."""
+        """The order's videos decoded (`IngressDecoder.prepare_videos`: per video its frames, timestamps and
+        second_per_grid_ts) and their patches (`cfg.grid` of the sampled frames) checked against the request's
+        limit and reserved; 400 `video_not_supported` for a tower without a video processor."""
         if not order.videos:
             return [], 0
         vcfg = info.get("video_config")
@@ -325,7 +326,7 @@ class Lifecycle:
                 ErrorCode.VIDEO_NOT_SUPPORTED, "input",
             )  # fmt: skip
         videos = await self._decoder.prepare_videos(order.videos, vcfg, order.image_label("video"))
-        patches = sum(patch_count(f, vcfg.patch_size, vcfg.temporal_patch_size) for f, _ in videos)
+        patches = sum(patch_count(f, vcfg.patch_size, vcfg.temporal_patch_size) for f, *_ in videos)
         if order.max_patches is not None:
             check_request_patches(patches, order.max_patches)
         reserve(patches)

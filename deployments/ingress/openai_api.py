@@ -30,7 +30,7 @@ from deployments.errors import (
     shown,
 )
 from deployments.ingress.cache import check_cache_uuid
-from deployments.llm_outputs import EMBEDDING_DTYPES, to_wire
+from deployments.llm_outputs import EMBEDDING_DTYPES, to_wire, video_facts
 from deployments.vllm_handoff import LAYOUTS
 from encoder.errors import EncoderError
 from encoder.poolings import POOLINGS
@@ -363,13 +363,17 @@ def _b64(x: np.ndarray, dtype: str) -> bytes:
 
 def _meta(index: int, out) -> tuple[dict, np.ndarray, list[np.ndarray]]:
     """(the item's small fields, its embedding, its DeepStack arrays) for a vector, a token matrix or an
-    LLM output tuple (`deployments.llm_outputs.WireLLM`: tokens, DeepStack layers, patch grid)."""
+    LLM output tuple (`deployments.llm_outputs.WireLLM`: tokens, DeepStack layers, patch grid, and a video's
+    facts after the grid: Qwen3-VL's `timestamps`, Qwen2/2.5-VL's `second_per_grid_ts`)."""
     item: dict[str, Any] = {"object": "embedding", "index": index}
     if isinstance(out, tuple):
-        vec, deepstack, grid, *stamps = out  # a video's timestamps (Qwen3-VL) after its grid
+        vec, deepstack, grid = out[:3]
         item["shape"], item["grid_thw"] = list(vec.shape), list(grid)
-        if stamps and stamps[0] is not None:
-            item["timestamps"] = list(stamps[0])
+        facts = video_facts(out)
+        if "timestamps" in facts:
+            item["timestamps"] = [float(s) for s in facts["timestamps"]]
+        if "second_per_grid_ts" in facts:
+            item["second_per_grid_ts"] = float(facts["second_per_grid_ts"])
         return item, vec, deepstack
     if out.ndim == 2:
         item["shape"] = list(out.shape)
@@ -378,8 +382,9 @@ def _meta(index: int, out) -> tuple[dict, np.ndarray, list[np.ndarray]]:
 
 def embeddings_body(outputs: list, encoding_format: str, model: str, patches: int, dtype: str = "float32") -> bytes:
     """The response body. `outputs`: per image a vector, a token matrix, or a `WireLLM` tuple (pooling=none:
-    the item also carries `grid_thw` and, for DeepStack models, `deepstack`: one embedding per layer in the
-    same encoding). `dtype`: the base64 element type (`EmbeddingRequest.embedding_dtype`)."""
+    the item also carries `grid_thw`, for DeepStack models `deepstack`: one embedding per layer in the same
+    encoding, and for a video `timestamps` (Qwen3-VL) or `second_per_grid_ts` (Qwen2/2.5-VL)). `dtype`: the
+    base64 element type (`EmbeddingRequest.embedding_dtype`)."""
     usage = {"prompt_tokens": patches, "total_tokens": patches}
     if encoding_format != "base64":
         data = []

@@ -3,7 +3,8 @@ short videos made with PyAV in the test (`tests/video_util.py`). HTTP `{"video":
 and the handle's `embed(videos=...)` / `embed_llm(videos=...)` equal `VisionEncoder.encode` / `encode_llm` of
 `preprocess_video` of the same bytes (same preset and seed: same random weights), in order with images;
 `usage.prompt_tokens` counts the videos' patches; hostile videos get their 4xx (handle: their errors, naming the
-video) while an image request keeps answering."""
+video) while an image request keeps answering. A Qwen2.5-VL app (the `tiny` preset) answers a video's
+`second_per_grid_ts` (handle, both layouts, and HTTP) where Qwen3-VL answers `timestamps`."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def test_embed_llm_videos_carry_grid_and_timestamps(app, ref, clips):
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g["grid_thw"] == list(w.grid_thw) and g["grid_thw"][0] > 1
         assert g["timestamps"] == pytest.approx(batch.timestamps_of(i))
+        assert "second_per_grid_ts" not in g  # Qwen3-VL's prompt has timestamps instead
         close(g["tokens"], w.tokens)
         assert len(g["deepstack"]) == len(w.deepstack) > 0
         for a, b in zip(g["deepstack"], w.deepstack, strict=True):
@@ -139,7 +141,46 @@ def test_http_video_llm_outputs_carry_grid_and_timestamps(app, ref, clips):
     batch = ref.preprocess_video(clips[0])
     want = ref.encode_llm(batch)[0]
     assert item["grid_thw"] == list(want.grid_thw) and item["timestamps"] == pytest.approx(batch.timestamps_of(0))
+    assert "second_per_grid_ts" not in item
     close(item["embedding"], want.tokens)
+
+
+@pytest.fixture(scope="module")
+def app25(ray_cluster):
+    """A Qwen2.5-VL app (the `tiny` preset) beside the Qwen3-VL one, at its own route prefix."""
+    from deployments import build_app
+
+    args = {"model": "tiny", "num_replicas": 1, "dtype": "float32", "max_request_images": 8}
+    with running_app(build_app(args), name="video-qwen25", route_prefix="/qwen25") as svc:
+        yield svc
+
+
+def test_qwen25_video_llm_outputs_carry_second_per_grid_ts(app25, clips):
+    """Each video's `second_per_grid_ts` (here 0.2 s and 0.5 s: temporal_patch_size over the sampled fps), as
+    `encode_llm` gives it, with its own tokens: the handle's `embed_llm` in both layouts and HTTP's items; no
+    `timestamps`, and none on an image."""
+    ref = encoder.load("tiny", device="cpu", dtype="float32")
+    batch = ref.preprocess_video(clips)
+    want = ref.encode_llm(batch)
+    seconds = [w.second_per_grid_ts for w in want]
+    assert seconds == [batch.second_per_grid_ts_of(i) for i in range(len(clips))] and len(set(seconds)) == 2
+    image = random_array(32, 48, seed=6)
+    for layout, key in (("parts", "tokens"), ("vllm", "embeds")):
+        got = app25.handle.embed_llm.remote([image], layout=layout, videos=clips).result()
+        assert "second_per_grid_ts" not in got[0] and "timestamps" not in got[0]
+        for g, w in zip(got[1:], want, strict=True):
+            assert g["grid_thw"] == list(w.grid_thw) and g["grid_thw"][0] > 1 and "timestamps" not in g
+            assert g["second_per_grid_ts"] == pytest.approx(w.second_per_grid_ts)
+            close(g[key], w.tokens)
+    png = encode(random_image("RGB", 32, 48, seed=8), "PNG")
+    with httpx.Client(base_url=app25.base_url + "/qwen25", timeout=120) as client:
+        r = client.post("/v1/embeddings", json={"input": [{"video": video_url(clips[1])}, {"image": image_url(png)}],
+                                                "pooling": "none"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    video, picture = r.json()["data"]
+    assert video["second_per_grid_ts"] == pytest.approx(want[1].second_per_grid_ts) and "timestamps" not in video
+    assert video["grid_thw"] == list(want[1].grid_thw) and "second_per_grid_ts" not in picture
+    close(video["embedding"], want[1].tokens)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Video in the service without Ray (issue 47 item 1): the wire's patch count, the replica's shape checks and its
 mixed image / video patchify, the ingress's video strings, item order and labels, the error table's video codes,
-the video decode pool (PyAV in a worker process, timestamps back with the frames) and `/v1/models`'s
-`input_types`."""
+the video decode pool (PyAV in a worker process, timestamps and second_per_grid_ts back with the frames), a video's
+facts (Qwen3-VL's timestamps, Qwen2/2.5-VL's second_per_grid_ts) through the request lifecycle into the handle's and
+HTTP's LLM outputs (both layouts), and `/v1/models`'s `input_types`."""
 
 from __future__ import annotations
 
@@ -122,14 +123,49 @@ def test_video_errors_have_codes(exc, code, status):
     assert classify(exc).error is code and code.status == status
 
 
-def test_video_decode_pool_returns_frames_and_timestamps():
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_video_decode_pool_returns_frames_and_facts(kind):
+    """A video's facts come back with its frames: Qwen3-VL's timestamps, Qwen2/2.5-VL's second_per_grid_ts (2
+    frames per temporal patch over the 10 fps sampled: 0.2 s), the other None."""
+    cfg = VideoPreprocessConfig.defaults(kind)
     data = make_video(9, 48, 64, fps=10)
-    want = load_video(data, VCFG)
-    with DecodePool(1, cfg=VCFG, decode_fn=decode_video_frames, context="spawn") as pool:
-        got, stamps = asyncio.run(pool.decode_async(data, 30.0))
-        assert np.array_equal(got, want.frames) and stamps == want.timestamps
+    want = load_video(data, cfg)
+    with DecodePool(1, cfg=cfg, decode_fn=decode_video_frames, context="spawn") as pool:
+        got, (stamps, per_grid) = asyncio.run(pool.decode_async(data, 30.0))
+        assert np.array_equal(got, want.frames)
+        assert (stamps, per_grid) == (want.timestamps, want.second_per_grid_ts)
+        assert (stamps is None, per_grid is None) == ((True, False) if kind == "qwen2" else (False, True))
+        if kind == "qwen2":
+            assert per_grid == pytest.approx(0.2)
         with pytest.raises(VideoDecodeError):
             pool.decode(data[: len(data) // 2], 30.0)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_ingress_prepare_videos_gives_frames_timestamps_and_second_per_grid_ts(kind):
+    """`IngressDecoder.prepare_videos`: an encoded video (the video decode pool) and a frame array (taken at 24 fps)
+    each as `(frames, timestamps, second_per_grid_ts)`, what `load_video` / `prepare_frames` give."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.ingress.decoding import IngressDecoder
+    from deployments.ingress.security import UrlFetcher
+    from deployments.metrics import RecentTimings
+    from encoder.preprocessing.video import prepare_frames
+    from tests.video_util import frames
+
+    cfg = VideoPreprocessConfig.defaults(kind)
+    data, clip = make_video(9, 48, 64, fps=10), frames(8, 32, 48, seed=5)
+    want = [load_video(data, cfg), prepare_frames(clip, None, cfg)]
+    with ThreadPoolExecutor(2) as threads:
+        decoder = IngressDecoder(threads, UrlFetcher(()), 10**7, RecentTimings(), processes=1, timeout_s=30.0)
+        decoder._video_procs = DecodePool(1, cfg=cfg, decode_fn=decode_video_frames, context="spawn")
+        try:
+            got = asyncio.run(decoder.prepare_videos([data, clip], cfg, "videos"))
+        finally:
+            decoder.close()
+    for (f, stamps, per_grid), w in zip(got, want, strict=True):
+        assert np.array_equal(f, w.frames) and (stamps, per_grid) == (w.timestamps, w.second_per_grid_ts)
+        assert (per_grid is not None) == (kind == "qwen2") and (stamps is not None) == (kind == "qwen3")
 
 
 # ------------------------------------------------------------------------------------------ HTTP items
@@ -153,19 +189,95 @@ def test_http_video_items_parse_in_order():
     assert '"video"' in str(e.value)
 
 
-def test_http_answer_of_a_video_carries_its_grid_and_timestamps():
+def test_http_answer_of_a_video_carries_its_grid_timestamps_and_second_per_grid_ts():
     import orjson
 
     from deployments.ingress.openai_api import embeddings_body
 
     tokens = np.ones((4, 3), np.float32)
-    video = (tokens, [], (2, 2, 4), [0.25, 1.25])
-    image = (tokens, [], (1, 4, 4), None)
-    body = orjson.loads(embeddings_body([image, video, (tokens, [], (1, 4, 4))], "float", "m", 40))
-    assert "timestamps" not in body["data"][0] and "timestamps" not in body["data"][2]
+    video = (tokens, [], (2, 2, 4), [0.25, 1.25], None)  # Qwen3-VL: timestamps
+    video25 = (tokens, [], (2, 2, 4), None, 0.5)  # Qwen2/2.5-VL: second_per_grid_ts
+    image = (tokens, [], (1, 4, 4))
+    body = orjson.loads(embeddings_body([image, video, video25], "float", "m", 40))
+    facts = ("timestamps", "second_per_grid_ts")
+    assert not any(k in body["data"][0] for k in facts)
     assert body["data"][1]["timestamps"] == [0.25, 1.25] and body["data"][1]["grid_thw"] == [2, 2, 4]
-    b64 = orjson.loads(embeddings_body([video], "base64", "m", 16))
+    assert "second_per_grid_ts" not in body["data"][1]
+    assert body["data"][2]["second_per_grid_ts"] == 0.5 and "timestamps" not in body["data"][2]
+    b64 = orjson.loads(embeddings_body([video, video25], "base64", "m", 16))
     assert b64["data"][0]["timestamps"] == [0.25, 1.25] and b64["usage"]["prompt_tokens"] == 16
+    assert b64["data"][1]["second_per_grid_ts"] == 0.5 and "second_per_grid_ts" not in b64["data"][0]
+
+
+class LLMVideoClient:
+    """A Qwen2.5-VL-like encoder with a video processor: per image or video an LLM output, tokens [2, 4] of its first
+    value (and one DeepStack layer of its negation), the grid t = 2 for a video."""
+
+    async def info(self) -> dict:
+        from tests.unit.deployments.ingress.test_cache_units import info
+
+        return info(video_config=VCFG)
+
+    async def encode(self, arrays, pooling, llm, deadline):
+        from deployments.llm_outputs import to_wire
+
+        out = []
+        for a in arrays:
+            v = np.full((2, 4), float(a.flat[0]), np.float32)
+            out.append((to_wire(v, llm), [to_wire(-v, llm)], (2, 4, 4) if a.ndim == 4 else (1, 4, 4)))
+        return out, 8 * len(arrays)
+
+
+def test_video_facts_follow_their_videos_into_the_handle_and_http_llm_outputs():
+    """The ingress's video facts (`prepare_videos`: per video its frames, timestamps, second_per_grid_ts) join that
+    video's LLM outputs, in order beside images: the handle's `embed_llm` dicts (layouts parts and vllm) and HTTP's
+    items carry Qwen2/2.5-VL's `second_per_grid_ts` as a float and Qwen3-VL's `timestamps`, each only where it is
+    not None; images carry neither."""
+    from deployments.config import AppArgs
+    from deployments.ingress.deployment import vllm_item
+    from deployments.ingress.handle_calls import HandleCalls
+    from deployments.ingress.http_routes import HttpRoutes
+    from deployments.ingress.limits import Admission
+    from deployments.ingress.security import ApiKeyAuth
+    from deployments.llm_outputs import handle_item
+    from deployments.metrics import IngressTelemetry
+    from tests.unit.deployments.ingress.test_cache_units import FakeDecoder
+    from tests.unit.deployments.ingress.test_http_routes_units import post
+
+    facts = {5: ([0.25, 1.25], None), 6: (None, 0.5), 7: (None, 0.25)}  # per video (its first byte): its facts
+
+    async def prepare_videos(videos, vcfg, label):
+        out = []
+        for v in videos:
+            value = v if isinstance(v, int) else base64.b64decode(v)[0]
+            out.append((np.full((4, 32, 32, 3), value, np.uint8), *facts[value]))
+        return out
+
+    decoder = FakeDecoder()
+    decoder.prepare_videos = prepare_videos
+    parts = (LLMVideoClient(), decoder, Admission(8))
+    handle = HandleCalls(AppArgs(), *parts, IngressTelemetry())
+    image = np.full((4, 4, 3), 3, np.uint8)
+    for layout, item in (("parts", handle_item), ("vllm", vllm_item)):
+        got = [item(w) for w in asyncio.run(handle([image], "none", "float32", layout, videos=[5, 6, 7]))]
+        first = [float(g["tokens" if layout == "parts" else "embeds"][0, 0]) for g in got]
+        assert first == [3.0, 5.0, 6.0, 7.0], layout  # in order: the image, then the videos
+        assert [g["grid_thw"] for g in got] == [[1, 4, 4]] + [[2, 4, 4]] * 3
+        assert [g.get("timestamps") for g in got] == [None, [0.25, 1.25], None, None]
+        assert [g.get("second_per_grid_ts") for g in got] == [None, None, 0.5, 0.25]
+        assert "timestamps" not in got[2] and "second_per_grid_ts" not in got[0] and "second_per_grid_ts" not in got[1]
+
+    http = HttpRoutes(AppArgs(), *parts, ApiKeyAuth(None), IngressTelemetry(), None, None)
+    video = {"video": base64.b64encode(b"\x06 a Qwen2.5-VL video").decode()}
+    png = base64.b64encode(b"\x03 an image").decode()
+    for layout in ("parts", "vllm"):
+        for encoding in ("float", "base64"):
+            status, body = post(http, {"input": [video, {"image": png}], "pooling": "none", "encoding_format": encoding,
+                                       "embedding_layout": layout})  # fmt: skip
+            assert status == 200, body
+            assert body["data"][0]["second_per_grid_ts"] == 0.5 and body["data"][0]["grid_thw"] == [2, 4, 4]
+            assert "timestamps" not in body["data"][0]
+            assert "second_per_grid_ts" not in body["data"][1] and body["data"][1]["grid_thw"] == [1, 4, 4]
 
 
 # ------------------------------------------------------------------------------------------ batch

@@ -464,7 +464,7 @@ def test_videos_bypass_the_cache_and_the_images_beside_them_are_cached():
 
     async def prepare_videos(videos, vcfg, label):
         decoded_videos.extend(videos)
-        return [(np.full((2, 4, 4, 3), v, np.uint8), None) for v in videos]
+        return [(np.full((2, 4, 4, 3), v, np.uint8), None, None) for v in videos]  # frames, timestamps, s/grid
 
     decoder.prepare_videos = prepare_videos
     images = [np.full((4, 4, 3), 1, np.uint8), np.full((4, 4, 3), 2, np.uint8)]
