@@ -266,6 +266,10 @@ class PackedPoolingAttention(PoolingAttention):
         s, d = tokens.shape
         heads, head_dim = self.num_heads, d // self.num_heads
         w, b = self.in_proj_weight, self.in_proj_bias
+        # padding rows hold whatever the attention left there (backends leave rows past the last segment
+        # untouched: a captured graph's pool memory, NaN as likely as not) and the one-hot GEMMs below multiply
+        # them by 0, which keeps a NaN: zero them first (`where` takes nothing from the branch it does not pick)
+        tokens = torch.where((slot < slots)[:, None], tokens, 0)
         q = F.linear(query.view(1, d), w[:d], b[:d]).float().view(heads, head_dim)
         kv = F.linear(tokens, w[d:], b[d:]).float().view(s, 2, heads, head_dim)
         scores = (kv[:, 0] * q).sum(-1) * head_dim**-0.5  # [S, H] float32

@@ -203,3 +203,26 @@ def test_service_patchify_equals_preprocess():
     want = preprocess(imgs, pp)
     got = stack_patchify(arrays, pp, torch.device("cpu"))
     assert torch.equal(got.grid_thw, want.grid_thw) and torch.equal(got.pixel_values, want.pixel_values)
+
+
+def test_pooling_head_ignores_nan_in_padding_rows():
+    """Rows past the last image (bucket padding) hold what no kernel wrote — NaN on the GPU seen without FA4 —
+    and the head's one-hot GEMMs multiply them by 0: the pooled vectors stay those of the real rows alone."""
+    from encoder.models.vit import packed_slots
+
+    enc = encoder.load("tiny-siglip2", device="cpu", dtype=torch.float32)
+    head = enc.model.head
+    frames_hw = torch.tensor([[2, 3], [4, 1], [0, 0]])  # two images, an empty slot
+    real = 2 * 3 + 4 * 1
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randn(real + 5, enc.config.width, generator=gen)  # 5 padding rows
+    slot, _, _ = packed_slots(frames_hw, tokens.shape[0])
+    with torch.inference_mode():
+        clean = head(tokens, slot, 3)
+        poisoned = tokens.clone()
+        poisoned[real:] = float("nan")
+        poisoned[real + 1] = float("inf")
+        got = head(poisoned, slot, 3)
+        alone = head(tokens[:real], slot[:real], 3)  # no padding rows at all
+    assert torch.isfinite(got).all() and torch.equal(got, clean)
+    torch.testing.assert_close(got, alone, rtol=1e-6, atol=1e-6)
