@@ -79,6 +79,7 @@ def startup_summary(
         f"{stats['capture_seconds']:.1f}s, {stats['capture_bytes'] / 2**20:.0f} MiB); batches up to "
         f"{plan.max_batch_patches} patches / {plan.max_batch_images} images ({pipeline.pipeline_depth} in flight); "
         f"{text}; started in {seconds:.1f}s"
+        + (f" after {stats['imports_seconds']:.1f}s of imports" if "imports_seconds" in stats else "")
     )
 
 
@@ -109,8 +110,6 @@ class EncoderReplica:
             sys.setswitchinterval(a.gil_switch_interval_s)
         self.device_name = resolve_device(a, resolve_num_gpus(a))
         start = time.perf_counter()
-        # the cold start's phases (benchmarks/cold_start.py reads the replica logs): torch and ours imported
-        logger.info("replica constructor: imports took %.1f s; loading %s", start - entered, a.model)
         # build_app warned once, in one line, that a preset's weights are random, and the ready line below marks
         # them; the warning again from every replica, in warnings' file:line form, is noise. This process is
         # the replica's own, so the filter stays (no catch_warnings: it is not thread-safe)
@@ -151,6 +150,7 @@ class EncoderReplica:
         self.metrics.captured.set(stats["captures"])
         self.ready = True
         stats["attention_hint"] = self.engine.attention_hint()
+        stats["imports_seconds"] = start - entered  # torch and ours: a phase of the cold start
         logger.info("%s", startup_summary(vision, plan, stats, time.perf_counter() - start, self.pipeline, a.text))
 
     # -- the request methods -----------------------------------------------------------------------------

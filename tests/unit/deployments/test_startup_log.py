@@ -33,3 +33,5 @@ def test_startup_summary_names_model_weights_device_attention_buckets_and_captur
     assert "(1 in flight); text 77 tokens, up to 256 texts a batch; started in 2.2s" in text
     off = startup_summary(vision, plan, stats, 2.25, pipeline, text_enabled=False)  # the application's text=false
     assert "(1 in flight); images only (text=false); started in 2.2s" in off
+    imports = startup_summary(vision, plan, stats | {"imports_seconds": 4.25}, 2.25, pipeline)
+    assert imports.endswith("; started in 2.2s after 4.2s of imports")  # the cold start's import phase
