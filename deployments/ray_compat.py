@@ -180,8 +180,16 @@ FAST_PATH_ENV = {
 # what the launcher adds for the Ray instance it starts (on one machine, in the foreground): the replicas' start-up
 # lines on its console (throughput mode sends Serve's logs to files only; access logs are off by default, so this
 # costs nothing per request), and a 2 s stop of an ingress replica where Serve waits 30 s by default for load
-# balancers to notice (HAProxy runs here; the drain of `deployments.shutdown` has already answered everything)
-LAUNCHER_ENV = {"RAY_SERVE_LOG_TO_STDERR": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+# balancers to notice (HAProxy runs here; the drain of `deployments.shutdown` has already answered everything), and
+# 30 s for a new proxy to report ready where Serve's controller waits 5 s: on a 2-core box the proxy's process,
+# started beside the replicas', took longer, and the controller printed warnings and restarted it
+LAUNCHER_ENV = {
+    "RAY_SERVE_LOG_TO_STDERR": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+}
+# the serve constant each variable sets, where the two names differ (the start-up check looks for the constant)
+SERVE_CONSTANT_OF = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "PROXY_READY_CHECK_TIMEOUT_S"}
 # the two switches that make the fast path (the message cap only raises a limit); Serve takes "1" as on
 FAST_PATH_SWITCHES = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_HA_PROXY")
 # Serve's variables for the HAProxy it runs on the fast path, by the `AppArgs` field each carries (docs/limits.md):
@@ -251,7 +259,8 @@ def _missing() -> list[str]:
     from ray.serve._private import handle_options
 
     flags = {**FAST_PATH_ENV, **LAUNCHER_ENV, **{k: "" for k in PROXY_BOUNDS_ENV.values()}, PROXY_CALLBACK_ENV: ""}
-    missing += [f"ray.serve._private.constants.{k}" for k in flags if not hasattr(serve_constants, k)]
+    constants = [SERVE_CONSTANT_OF.get(k, k) for k in flags]
+    missing += [f"ray.serve._private.constants.{c}" for c in constants if not hasattr(serve_constants, c)]
     options = handle_options.InitHandleOptions
     if not isinstance(options.__dict__.get("create"), classmethod) or "_run_router_in_separate_loop" not in {
         f.name for f in dataclasses.fields(options)
