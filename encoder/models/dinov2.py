@@ -12,7 +12,9 @@ loading is a copy; the Conv2d patch embedding is a linear layer over the flatten
 The learned position table ((position_image_size / P)^2 rows plus the class row) is resized to the
 input grid by bicubic interpolation in float32 exactly as transformers' `interpolate_pos_encoding`
 does (antialiased for the with-registers model; skipped when the grids are equal, as there). It
-depends on the weights only, so it is computed on each forward (inside the graph on CUDA).
+depends on the weights only: `fuse()` (the load-time layout changes a `GraphEncoder` makes) computes it once,
+and the forward reads it; before that each forward computes it. (On CUDA torch's bicubic kernel runs one thread
+per output position looping over every channel: 256 threads for 1024 channels, ~1.8 ms of a one-image forward.)
 
 Numerics: the residual stream is float32 (each residual add fused with the LayerNorm after it),
 GEMM inputs in the model dtype, layer scale applied to each branch output, the final LayerNorm in
@@ -63,10 +65,22 @@ class Dinov2Embeddings(nn.Module):
         self.position_embeddings = nn.Parameter(torch.zeros(1, cfg.position_grid**2 + 1, d))
         if cfg.num_register_tokens:
             self.register_tokens = nn.Parameter(torch.zeros(1, cfg.num_register_tokens, d))
+        # `patch_positions()` computed once (`freeze_positions`); a plain attribute, not a buffer: no state-dict
+        # entry, and no dtype change when the module is cast (it stays float32, as computed)
+        self.frozen_positions: torch.Tensor | None = None
+
+    def freeze_positions(self) -> None:
+        """Compute the resized position rows now, once; the forward then reads them (the weights are final)."""
+        self.frozen_positions = None
+        with torch.no_grad():
+            self.frozen_positions = self.patch_positions()
 
     def patch_positions(self) -> torch.Tensor:
         """[L, D] float32: the table's patch rows resized to the input grid (HF's interpolate_pos_encoding)."""
         cfg = self.cfg
+        frozen = self.frozen_positions
+        if frozen is not None and frozen.device == self.position_embeddings.device:
+            return frozen
         table = self.position_embeddings[0, 1:].float()  # [G0 * G0, D]
         if cfg.position_grid == cfg.grid:
             return table
@@ -178,6 +192,11 @@ class Dinov2VisionTower(FixedResolutionTower, nn.Module):
     @property
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layer
+
+    def fuse(self, pad_mlp: int = 128) -> None:
+        """The shared layout changes, and the resized position rows computed once (exact: the same op, once)."""
+        super().fuse(pad_mlp)
+        self.embeddings.freeze_positions()
 
     def forward(self, pixel_values: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_input(pixel_values)
