@@ -4,7 +4,8 @@ The actor builds a `workspace.GraphEncoder` in its constructor (CUDA graphs capt
 actor, before its first batch), normalises and patchifies the uint8 pixels on its device, orders each
 batch so the runner's packs fill the largest bucket (first-fit decreasing), runs it and adds the
 `embedding` column (with `pooling="none"`, the LLM-ready outputs of `GraphEncoder.encode_llm`: tokens,
-patch grid and DeepStack features; layout in `deployments.batch.columns`).
+patch grid and DeepStack features, and a video job's timestamps or second_per_grid_ts from its decode stage;
+layout in `deployments.batch.columns`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ from deployments.batch.columns import (
     INTERNAL,
     NUM_TOKENS,
     PATCHES,
+    PER_GRID,
     PIXELS,
+    SECOND_PER_GRID_TS,
+    STAMPS,
+    STAMPS_TYPE,
+    TIMESTAMPS,
     WIDTH,
     fixed_size_list,
     lists,
@@ -291,6 +297,12 @@ class EncoderActor:
             out = out.append_column(
                 GRID_THW, pa.FixedSizeListArray.from_arrays(pa.array(grid.reshape(-1)), 3, mask=mask)
             )
+            if STAMPS in table.column_names:  # a video job: each video's facts, as its decode task found them
+                stamps, per_grid = table.column(STAMPS).to_pylist(), table.column(PER_GRID).to_pylist()
+                kept = [stamps[i] if valid[i] else None for i in range(n)]
+                out = out.append_column(TIMESTAMPS, pa.array(kept, type=STAMPS_TYPE))
+                kept = [per_grid[i] if valid[i] else None for i in range(n)]
+                out = out.append_column(SECOND_PER_GRID_TS, pa.array(kept, type=pa.float32()))
             if self.deepstack_layers and not self.vllm:
                 k = self.deepstack_layers
                 if any(len(results[i].deepstack) != k for i in rows):

@@ -17,7 +17,20 @@ import pyarrow as pa
 from PIL import Image
 
 import encoder
-from deployments.batch.columns import ERROR, FRAMES, HEIGHT, INTERNAL, OUTPUT_COLUMNS, PATCHES, PIXELS, WIDTH
+from deployments.batch.columns import (
+    ERROR,
+    FRAMES,
+    HEIGHT,
+    INTERNAL,
+    OUTPUT_COLUMNS,
+    PATCHES,
+    PER_GRID,
+    PIXELS,
+    STAMPS,
+    STAMPS_TYPE,
+    VIDEO_COLUMNS,
+    WIDTH,
+)
 from deployments.batch.image_files import DEFAULT_MAX_IMAGE_BYTES, read_image_file, resolve
 from encoder.errors import InvalidArgumentError
 from encoder.preprocessing.config import ProcessorConfig
@@ -42,12 +55,14 @@ def image_column_kind(typ: pa.DataType) -> str:
     )
 
 
-def check_input_schema(schema: pa.Schema, image_column: str) -> None:
-    """Fail early (before any work) on a missing image column or a clash with output column names."""
+def check_input_schema(schema: pa.Schema, image_column: str, video: bool = False) -> None:
+    """Fail early (before any work) on a missing image column or a clash with output column names (`video`, a
+    `video_column` job: its video columns too, `timestamps` and `second_per_grid_ts`)."""
     if image_column not in schema.names:
         raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
     image_column_kind(schema.field(image_column).type)
-    clash = sorted(set(schema.names) & (set(OUTPUT_COLUMNS) | set(INTERNAL)))
+    taken = set(OUTPUT_COLUMNS) | set(INTERNAL) | (set(VIDEO_COLUMNS) if video else set())
+    clash = sorted(set(schema.names) & taken)
     if clash:
         raise InvalidArgumentError(
             f"input column(s) {', '.join(clash)} would be overwritten by the output; rename them first"
@@ -142,15 +157,18 @@ def decode_batch(
 
 def decode_video_batch(table: pa.Table, *, video_column: str, vcfg, path_root: str | None) -> pa.Table:
     """`decode_batch` of a video column: per row its sampled, resized frames (uint8 n*H*W*3 in PIXELS, n in
-    FRAMES), their patches (`cfg.grid`: ceil(n / T) x H/P x W/P); a bad video (unreadable, truncated, no frames,
-    over a limit) is an error row."""
+    FRAMES), their patches (`cfg.grid`: ceil(n / T) x H/P x W/P) and the video's facts from its preprocessing
+    (Qwen3-VL's timestamps in STAMPS, Qwen2/2.5-VL's second_per_grid_ts in PER_GRID; null where the tower has
+    none); a bad video (unreadable, truncated, no frames, over a limit) is an error row."""
     from deployments.wire import patch_count
     from encoder.preprocessing.video_decode import load_video  # PyAV: only in video jobs' decode tasks
 
-    check_input_schema(table.schema, video_column)
+    check_input_schema(table.schema, video_column, video=True)
     kind = image_column_kind(table.schema.field(video_column).type)
     pixels: list[bytes | None] = []
     frames, heights, widths, patches, errors = [], [], [], [], []
+    stamps: list[list[float] | None] = []
+    per_grid: list[float | None] = []
     for value in table.column(video_column).to_pylist():
         try:
             prepared = load_video(_image_bytes(value, kind, path_root, vcfg.limits.max_bytes), vcfg)
@@ -160,6 +178,8 @@ def decode_video_batch(table: pa.Table, *, video_column: str, vcfg, path_root: s
             heights.append(0)
             widths.append(0)
             patches.append(0)
+            stamps.append(None)
+            per_grid.append(None)
             errors.append(describe_error(exc, _named_path(value, kind)))
             continue
         array = prepared.frames
@@ -168,6 +188,8 @@ def decode_video_batch(table: pa.Table, *, video_column: str, vcfg, path_root: s
         heights.append(array.shape[1])
         widths.append(array.shape[2])
         patches.append(patch_count(array, vcfg.patch_size, vcfg.temporal_patch_size))
+        stamps.append(prepared.timestamps)
+        per_grid.append(prepared.second_per_grid_ts)
         errors.append(None)
     out = table.drop_columns([video_column])
     out = out.append_column(PIXELS, pa.array(pixels, type=pa.large_binary()))
@@ -175,6 +197,8 @@ def decode_video_batch(table: pa.Table, *, video_column: str, vcfg, path_root: s
     out = out.append_column(WIDTH, pa.array(widths, type=pa.int32()))
     out = out.append_column(PATCHES, pa.array(patches, type=pa.int32()))
     out = out.append_column(FRAMES, pa.array(frames, type=pa.int32()))
+    out = out.append_column(STAMPS, pa.array(stamps, type=STAMPS_TYPE))
+    out = out.append_column(PER_GRID, pa.array(per_grid, type=pa.float32()))
     return out.append_column(ERROR, pa.array(errors, type=pa.string()))
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from deployments.batch.columns import ERROR
+from deployments.batch.columns import ERROR, VIDEO_COLUMNS
 from deployments.batch.decode import check_input_schema, image_column_kind, typical_patches_of
 from deployments.batch.files import (
     PART_COLUMN,
@@ -130,6 +130,9 @@ def job_params(cfg: JobConfig, files: list[InputFile], part_rows: int) -> dict:
         # only when set, as quantization below
         **({"text_column": cfg.text_column} if cfg.text_column else {}),
         **({"video_column": cfg.video_column} if cfg.video_column else {}),
+        # the columns a video job's per-token outputs add: a job begun before they were written is not resumed into
+        # parts of two schemas
+        **({"video_columns": list(VIDEO_COLUMNS)} if cfg.video_column and (cfg.pooling == "none" or cfg.vllm) else {}),
         "model": model,
         "pooling": cfg.pooling,
         "dtype": cfg.dtype,
@@ -151,7 +154,7 @@ def check_inputs(paths: list[Path], schemas: list[pa.Schema], cfg: JobConfig) ->
         return check_text_inputs(paths, schemas, cfg)
     for path, schema in zip(paths, schemas, strict=True):
         try:
-            check_input_schema(schema, cfg.image_column)
+            check_input_schema(schema, cfg.image_column, video=cfg.video_column is not None)
         except InvalidArgumentError as exc:
             raise JobError(f"{path}: {exc}") from None
         if cfg.uuid_column is not None:

@@ -57,8 +57,9 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
       * pooling="none": `embedding` is `list<fixed_size_list<float32>[out_dim]>`, one vector per
         output token in the merger's order (row-major over the merged `grid_h` x `grid_w` grid), plus
         `num_tokens` and the patch grid `grid_t`, `grid_h`, `grid_w` = HF's `image_grid_thw` (int32, 0 for
-        error rows), the same grid as one `grid_thw` value and, for DeepStack models, `deepstack` (see
-        the module docstring);
+        error rows), the same grid as one `grid_thw` value, for a `video_column` the video's `timestamps`
+        (Qwen3-VL) and `second_per_grid_ts` (Qwen2/2.5-VL), null where the tower has none, and, for DeepStack
+        models, `deepstack` (see `deployments.batch.columns`);
       * `error`: null, or why the row's image could not be embedded (`ImageDecodeError: ...`).
     Rows out = rows in; row order is not kept (carry an id column).
 
@@ -93,7 +94,7 @@ def embed_dataset(ds, options: EmbedOptions | None = None, **kwargs):
     if schema is not None:  # known without reading (Parquet footers): the CLI's checks, before any work
         arrow = arrow_schema(schema)
         if arrow is not None:
-            check_input_schema(arrow, image_column)
+            check_input_schema(arrow, image_column, video=o.video_column is not None)
         elif image_column not in schema.names:  # pandas blocks: their types are checked as they are decoded
             raise InvalidArgumentError(f"no column {image_column!r} in the input; columns: {', '.join(schema.names)}")
     gpus = gpus_in_cluster() if o.num_gpus is None else o.num_gpus

@@ -2,7 +2,8 @@
 mixed image / video patchify, the ingress's video strings, item order and labels, the error table's video codes,
 the video decode pool (PyAV in a worker process, timestamps and second_per_grid_ts back with the frames), a video's
 facts (Qwen3-VL's timestamps, Qwen2/2.5-VL's second_per_grid_ts) through the request lifecycle into the handle's and
-HTTP's LLM outputs (both layouts), and `/v1/models`'s `input_types`."""
+HTTP's LLM outputs (both layouts), a batch job's video decode rows (the facts with the frames) and fact columns (the
+schema, the manifest), and `/v1/models`'s `input_types`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from deployments.replica.pipeline import check_pixels
 from deployments.wire import patch_count
 from encoder.errors import (
     DecodeTimeoutError,
+    InvalidArgumentError,
     InvalidImageError,
     InvalidVideoError,
     VideoDecodeError,
@@ -286,7 +288,7 @@ def test_video_facts_follow_their_videos_into_the_handle_and_http_llm_outputs():
 def test_batch_video_column_options_and_decode_rows():
     import pyarrow as pa
 
-    from deployments.batch.columns import ERROR, FRAMES, HEIGHT, PATCHES, PIXELS, WIDTH
+    from deployments.batch.columns import ERROR, FRAMES, HEIGHT, PATCHES, PER_GRID, PIXELS, STAMPS, WIDTH
     from deployments.batch.decode import decode_batch
     from deployments.batch.model_facts import typical_video_patches
     from deployments.batch.options import EmbedOptions
@@ -300,7 +302,8 @@ def test_batch_video_column_options_and_decode_rows():
     good = make_video(9, 48, 64, fps=10)
     table = pa.table({"id": [0, 1, 2], "clip": pa.array([good, good[:300], None], pa.binary())})
     out = decode_batch(table, image_column="clip", pp=PP, path_root=None, video_cfg=VCFG)
-    want = load_video(good, VCFG).frames
+    prepared = load_video(good, VCFG)
+    want = prepared.frames
     n, h, w, _ = want.shape
     assert out.column(FRAMES).to_pylist() == [n, 0, 0] and out.column(HEIGHT).to_pylist()[0] == h
     assert out.column(WIDTH).to_pylist()[0] == w
@@ -309,6 +312,54 @@ def test_batch_video_column_options_and_decode_rows():
     errors = out.column(ERROR).to_pylist()
     assert errors[0] is None and errors[1].startswith("VideoDecodeError") and errors[2].startswith("ImageDecodeError")
     assert "clip" not in out.column_names
+    # the video's facts ride with its frames to the encoder actor (float32; null for error rows and where the
+    # tower has none): Qwen3-VL's timestamps, Qwen2/2.5-VL's second_per_grid_ts
+    assert prepared.timestamps and len(prepared.timestamps) == -(-n // 2)
+    assert out.column(STAMPS).to_pylist() == [np.float32(prepared.timestamps).tolist(), None, None]
+    assert out.column(PER_GRID).to_pylist() == [None, None, None]
+    qwen2 = VideoPreprocessConfig.defaults("qwen2")
+    out = decode_batch(table, image_column="clip", pp=PP, path_root=None, video_cfg=qwen2)
+    per_grid = load_video(good, qwen2).second_per_grid_ts
+    assert per_grid is not None and out.column(PER_GRID).to_pylist() == [float(np.float32(per_grid)), None, None]
+    assert out.column(STAMPS).to_pylist() == [None, None, None]
+    with pytest.raises(InvalidArgumentError, match="timestamps"):  # a video job's output columns are taken
+        decode_batch(table.append_column("timestamps", pa.array([1.0] * 3)), image_column="clip", pp=PP,
+                     path_root=None, video_cfg=VCFG)  # fmt: skip
+    # an image job writes no such column: an input column of that name is kept as it is
+    from deployments.batch.decode import check_input_schema
+
+    check_input_schema(pa.schema([("image", pa.binary()), ("timestamps", pa.float64())]), "image")
+
+
+def test_batch_video_token_jobs_write_and_record_the_fact_columns(tmp_path):
+    import pyarrow as pa
+
+    from deployments.batch.columns import output_schema
+    from deployments.batch.files import JobError
+    from deployments.batch.job import job_params
+    from deployments.batch.manifest import Manifest
+    from deployments.batch.options import JobConfig
+
+    # the columns follow the grid in every per-token output of a video job, in the LLM answers' names
+    base = pa.schema([("id", pa.int64()), ("clip", pa.binary())])
+    for kwargs in ({}, {"layout": "vllm"}, {"ec_cache": True}, {"deepstack_layers": 2}):
+        names = output_schema(base, "clip", "none", 8, video=True, **kwargs).names
+        assert names[names.index("grid_thw") + 1 : names.index("grid_thw") + 3] == ["timestamps", "second_per_grid_ts"]
+        assert "timestamps" not in output_schema(base, "clip", "none", 8, **kwargs).names  # an image job's: as it was
+    assert output_schema(base, "clip", "mean", 8, video=True) == output_schema(base, "clip", "mean", 8)
+
+    # the manifest records them: a video job begun before they were written is not resumed into parts of two schemas
+    job = {"input": ["in"], "output": str(tmp_path), "model": "tiny-qwen3-vl", "video_column": "clip"}
+    facts = ["timestamps", "second_per_grid_ts"]
+    for kwargs in ({"pooling": "none"}, {"layout": "vllm"}, {"ec_cache_dir": "ec", "uuid_column": "u"}):
+        assert job_params(JobConfig(**job, **kwargs), [], 10)["video_columns"] == facts
+    assert "video_columns" not in job_params(JobConfig(**job, pooling="mean"), [], 10)
+    image_job = {k: v for k, v in job.items() if k != "video_column"}
+    assert "video_columns" not in job_params(JobConfig(**image_job, pooling="none"), [], 10)
+    params = job_params(JobConfig(**job, pooling="none"), [], 10)
+    Manifest.open(tmp_path, {k: v for k, v in params.items() if k != "video_columns"}).write()
+    with pytest.raises(JobError, match=r"different parameters \(video_columns\)"):
+        Manifest.open(tmp_path, params)
 
 
 def test_video_decode_pool_applies_the_limits_and_reports_their_codes():
