@@ -147,11 +147,19 @@ def decode_batch(
         widths.append(w)
         patches.append((h // pp.patch_size) * (w // pp.patch_size))
         errors.append(None)
-    out = table.drop_columns([image_column])
+    return decoded_table(table, image_column, pixels, heights, widths, patches, errors)
+
+
+def decoded_table(table: pa.Table, column: str, pixels, heights, widths, patches, errors, extra=()) -> pa.Table:
+    """`table` with its input `column` replaced by the decoded columns (PIXELS, HEIGHT, WIDTH, PATCHES, then each
+    `extra` (name, arrow array), ERROR last): the decode tasks' output for the encoder actors."""
+    out = table.drop_columns([column])
     out = out.append_column(PIXELS, pa.array(pixels, type=pa.large_binary()))
     out = out.append_column(HEIGHT, pa.array(heights, type=pa.int32()))
     out = out.append_column(WIDTH, pa.array(widths, type=pa.int32()))
     out = out.append_column(PATCHES, pa.array(patches, type=pa.int32()))
+    for name, array in extra:
+        out = out.append_column(name, array)
     return out.append_column(ERROR, pa.array(errors, type=pa.string()))
 
 
@@ -191,15 +199,9 @@ def decode_video_batch(table: pa.Table, *, video_column: str, vcfg, path_root: s
         stamps.append(prepared.timestamps)
         per_grid.append(prepared.second_per_grid_ts)
         errors.append(None)
-    out = table.drop_columns([video_column])
-    out = out.append_column(PIXELS, pa.array(pixels, type=pa.large_binary()))
-    out = out.append_column(HEIGHT, pa.array(heights, type=pa.int32()))
-    out = out.append_column(WIDTH, pa.array(widths, type=pa.int32()))
-    out = out.append_column(PATCHES, pa.array(patches, type=pa.int32()))
-    out = out.append_column(FRAMES, pa.array(frames, type=pa.int32()))
-    out = out.append_column(STAMPS, pa.array(stamps, type=STAMPS_TYPE))
-    out = out.append_column(PER_GRID, pa.array(per_grid, type=pa.float32()))
-    return out.append_column(ERROR, pa.array(errors, type=pa.string()))
+    extra = [(FRAMES, pa.array(frames, type=pa.int32())), (STAMPS, pa.array(stamps, type=STAMPS_TYPE)),
+             (PER_GRID, pa.array(per_grid, type=pa.float32()))]  # fmt: skip
+    return decoded_table(table, video_column, pixels, heights, widths, patches, errors, extra)
 
 
 def header_patches(value: Any, kind: str, pp: ProcessorConfig, path_root: str | None) -> int | None:
