@@ -75,40 +75,38 @@ class IngressDecoder:
     ):
         self._pool, self._urls, self._max_bytes, self._timings = pool, urls, max_image_bytes, timings
         self._processes, self._timeout_s = processes, timeout_s
-        self._procs: DecodePool | None = None
-        self._video_procs: DecodePool | None = None  # videos' (PyAV), started with the first video
-        self._procs_lock = asyncio.Lock()
+        # decode processes per kind of input: "image" (Pillow) and "video" (PyAV), each started by its first use
+        self._pools: dict[str, DecodePool] = {}
+        self._pools_lock = asyncio.Lock()
         self._warming: asyncio.Task | None = None
 
+    async def _started(self, kind: str, cfg, decode_fn, preload: tuple[str, ...]) -> DecodePool:
+        """The `kind` decode processes, started once, off the event loop (a fork server imports `preload`
+        first). Ray's worker script is what the children import as __main__, so ray is preloaded with them."""
+        if kind not in self._pools:
+            async with self._pools_lock:
+                if kind not in self._pools:
+                    start = partial(DecodePool, self._processes, cfg=cfg, decode_fn=decode_fn, preload=preload)
+                    self._pools[kind] = await asyncio.get_running_loop().run_in_executor(self._pool, start)
+        return self._pools[kind]
+
     async def _decode_pool(self, pp: ProcessorConfig) -> DecodePool:
-        """The decode processes (started once, off the event loop: a fork server imports the preprocessing
-        first). Ray's worker script is what the children import as __main__, so ray is preloaded with it."""
-        if self._procs is None:
-            async with self._procs_lock:
-                if self._procs is None:
-                    start = partial(
-                        DecodePool, self._processes, cfg=pp, decode_fn=decode_resized,
-                        preload=("encoder.preprocessing.qwen", "ray"),
-                    )  # fmt: skip
-                    self._procs = await asyncio.get_running_loop().run_in_executor(self._pool, start)
-        return self._procs
+        """The image decode processes: Pillow decodes and resizes to the processor's size."""
+        return await self._started("image", pp, decode_resized, ("encoder.preprocessing.qwen", "ray"))
 
     def warm(self, pp: ProcessorConfig) -> None:
         """Start the decode processes in the background if they are not (the first request, or /health
         before any: a load balancer's probe warms them before traffic comes)."""
-        if self._procs is None and self._warming is None:
+        if "image" not in self._pools and self._warming is None:
             self._warming = asyncio.get_running_loop().create_task(self._decode_pool(pp))
 
     def pids(self) -> list[int]:
         """The decode processes' pids (none before the first request that needed them)."""
-        pools = (self._procs, self._video_procs)
-        return [pid for pool in pools if pool is not None for pid in pool.pids]
+        return [pid for pool in self._pools.values() for pid in pool.pids]
 
     def close(self) -> None:
-        if self._procs is not None:
-            self._procs.close()
-        if self._video_procs is not None:
-            self._video_procs.close()
+        for pool in self._pools.values():
+            pool.close()
 
     async def _fetch_urls(self, images: list, label: str | Callable[[int], str]) -> list:
         """Allowlisted image URLs -> their bytes (concurrently); other inputs unchanged. Without an allowlist
@@ -143,17 +141,9 @@ class IngressDecoder:
             raise with_index(e, _where(label, i)) from None
 
     async def _video_pool(self, vcfg) -> DecodePool:
-        """The video decode processes (`decode_processes` of them, started with the first video): PyAV decodes
-        within the video limits, and a decode past `max_decode_s` is killed with its worker."""
-        if self._video_procs is None:
-            async with self._procs_lock:
-                if self._video_procs is None:
-                    start = partial(
-                        DecodePool, self._processes, cfg=vcfg, decode_fn=decode_video_frames,
-                        preload=("encoder.preprocessing.video", "ray"),
-                    )  # fmt: skip
-                    self._video_procs = await asyncio.get_running_loop().run_in_executor(self._pool, start)
-        return self._video_procs
+        """The video decode processes (started with the first video): PyAV decodes within the video limits, and
+        a decode past `max_decode_s` is killed with its worker."""
+        return await self._started("video", vcfg, decode_video_frames, ("encoder.preprocessing.video", "ray"))
 
     async def prepare_videos(
         self, videos: list, vcfg, label: str | Callable[[int], str]

@@ -160,7 +160,7 @@ def test_ingress_prepare_videos_gives_frames_timestamps_and_second_per_grid_ts(k
     want = [load_video(data, cfg), prepare_frames(clip, None, cfg)]
     with ThreadPoolExecutor(2) as threads:
         decoder = IngressDecoder(threads, UrlFetcher(()), 10**7, RecentTimings(), processes=1, timeout_s=30.0)
-        decoder._video_procs = DecodePool(1, cfg=cfg, decode_fn=decode_video_frames, context="spawn")
+        decoder._pools["video"] = DecodePool(1, cfg=cfg, decode_fn=decode_video_frames, context="spawn")
         try:
             got = asyncio.run(decoder.prepare_videos([data, clip], cfg, "videos"))
         finally:

@@ -47,7 +47,7 @@ class FakePool:
 
 def _decoder(fake: FakePool, threads: ThreadPoolExecutor) -> IngressDecoder:
     decoder = IngressDecoder(threads, UrlFetcher(()), 10**7, RecentTimings(), processes=1, timeout_s=TIMEOUT_S)
-    decoder._procs = fake  # started: prepare() never starts real processes
+    decoder._pools["image"] = fake  # started: prepare() never starts real processes
     return decoder
 
 
