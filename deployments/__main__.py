@@ -33,8 +33,15 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 
-from deployments.launch_config import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SERVE_LOG_LEVEL, resolve
+from deployments.launch_config import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_SERVE_LOG_LEVEL,
+    resolve,
+    with_machine_defaults,
+)
 from deployments.preflight import USAGE_EXIT, AppConfigError, check_port_free, ray_address
 
 
@@ -138,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # read after the request path's flags are set: Serve's schema imports Serve, which reads them
         s = resolve(ns)  # the flags given, then the --config file, then the defaults
+        if address == "local":  # our own Ray on this machine: what is not given is sized to it
+            s = replace(s, values=with_machine_defaults(s.values, os.cpu_count() or 1))
         app = build_app(s.values)  # checks the arguments and the model, before Ray starts
         app_args = AppArgs.model_validate(s.values)
         if address == "local":  # on a cluster the proxies listen on its nodes, not necessarily here

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from deployments.__main__ import parse_args
-from deployments.launch_config import LaunchSettings, read_serve_file, resolve
+from deployments.launch_config import LaunchSettings, read_serve_file, resolve, with_machine_defaults
 from deployments.preflight import USAGE_EXIT, AppConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -197,3 +197,21 @@ def test_help_says_the_flags_override_the_file(capsys):
         parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--config FILE" in out and "the flags and KEY=VALUE pairs given here override the file" in out, out
+
+
+@pytest.mark.parametrize(("cpus", "replicas"), [(1, 1), (2, 1), (4, 1), (8, 3), (16, 6), (24, 8), (128, 8)])
+def test_launcher_sizes_ingress_replicas_to_the_machine(cpus, replicas):
+    from deployments.config import AppArgs
+
+    values = with_machine_defaults({"model": "tiny"}, cpus)
+    assert values == {"model": "tiny", "ingress_replicas": replicas}
+    assert AppArgs.model_validate(values).ingress_replicas == replicas
+
+
+@pytest.mark.parametrize("given", [{"ingress_replicas": "2"}, {"ingress": {"ingress_replicas": 2}}])
+def test_ingress_replicas_given_flat_or_in_its_group_are_kept(given):
+    from deployments.config import AppArgs
+
+    values = with_machine_defaults({"model": "tiny", **given}, 16)
+    assert values == {"model": "tiny", **given}
+    assert AppArgs.model_validate(values).ingress_replicas == 2
