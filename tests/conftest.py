@@ -53,7 +53,6 @@ RAY_OF_ITS_OWN_MODULES = frozenset({
     "tests/integration/cluster/test_multinode.py",
     "tests/integration/serve/test_default_path_limits.py",
     "tests/integration/serve/test_launcher_config.py",
-    "tests/integration/serve/test_launcher_request_path.py",
     "tests/integration/serve/test_proxy_limits.py",
     "tests/integration/serve/test_serve_fast_path.py",
     "tests/integration/serve/test_shutdown.py",

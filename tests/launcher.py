@@ -4,6 +4,7 @@ of a huge request header that the HTTP-front tests share (fast and default reque
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -67,6 +68,41 @@ def running_launcher(
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.close()
+
+
+def listener(port: int) -> str:
+    """The name of the process listening on TCP `port` on this machine (`ss -ltnp`), "" when none is."""
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    names = re.findall(r'users:\(\("([^"]+)"', out)
+    return names[0] if names else ""
+
+
+def tiny_png() -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((56, 56, 3), 90, np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def look_and_stop(port: int, proc: subprocess.Popen, log_path: Path) -> tuple[str, str]:
+    """For a launcher started by `running_launcher`: wait for its ready line, send one embedding request, stop it
+    with SIGTERM, and return (the name of the process listening on its port, its output). The request-path tests
+    (issue 45.1) run this last in the modules whose launcher they share (tests/integration/serve/test_proxy_limits.py,
+    test_default_path_limits.py): one launcher start each instead of one more of their own."""
+    wait_for(lambda: "vision service ready" in log_path.read_text(), 60, what="the ready line")
+    name = listener(port)
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": [tiny_png()]}, timeout=60)
+    assert r.status_code == 200, r.text[:500]
+    proc.send_signal(signal.SIGTERM)
+    stopping = time.monotonic()
+    proc.wait(timeout=90)
+    print(f"stopped {time.monotonic() - stopping:.1f}s after SIGTERM")
+    return name, log_path.read_text()
 
 
 def status_line(sock: socket.socket) -> bytes:

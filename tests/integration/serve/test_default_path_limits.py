@@ -6,7 +6,12 @@ bounds from the same `AppArgs` through Serve's proxy callback (`ray_compat.bound
 * Connections that never send a byte, or send a head too slowly, are closed after `proxy_idle_timeout_s` (before:
   kept for ever), and a new request is served while more idle connections than `proxy_max_connections` are open.
 
-One launcher subprocess for the module (`--request-path default`), with a small cap and timeout.
+And the launcher's request path (issue 45.1): with `--request-path default` it runs Serve's default one (Python HTTP
+proxy, actor calls): Serve's Python `ProxyActor` listens on the port (`ss -ltnp`) and the launcher's lines name the
+path. The fast path's counterpart: test_proxy_limits.py.
+
+One launcher subprocess for the module (`--request-path default`), with a small cap and timeout; the request-path
+test runs last and stops it with SIGTERM (it shares the launcher to save a start of its own, ~25 s on the 2-core box).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from tests.launcher import environment, running_launcher, send_huge_header, status_line
+from tests.launcher import environment, look_and_stop, running_launcher, send_huge_header, status_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns_ray]
 
@@ -28,18 +33,18 @@ MAX_HEADER_BYTES = 16384
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory):
-    """The port of a launcher on Serve's default path with a small connection cap and idle timeout."""
+    """(port, process, log path) of a launcher on Serve's default path with a small connection cap and idle timeout."""
     args = [
         "--request-path", "default", f"proxy_idle_timeout_s={IDLE_TIMEOUT_S}",
         f"proxy_max_connections={MAX_CONNECTIONS}", f"proxy_max_header_bytes={MAX_HEADER_BYTES}",
     ]  # fmt: skip
     env = {k: v for k, v in environment().items() if not k.startswith(("RAY_SERVE_HAPROXY_", "RAY_SERVE_HTTP_PROXY"))}
-    with running_launcher(tmp_path_factory.mktemp("default_path_limits"), args, env) as (port, _, _):
-        yield port
+    with running_launcher(tmp_path_factory.mktemp("default_path_limits"), args, env) as launched:
+        yield launched
 
 
 def test_a_huge_header_is_refused_at_once_and_health_answers(launcher):
-    port = launcher
+    port, _, _ = launcher
     # the 431 may be lost to the reset of a close with our bytes unread: b""
     line, elapsed, sent, health_s = send_huge_header(port)
     assert line in (b"", b"HTTP/1.1 431 Request Header Fields Too Large"), (line, sent)
@@ -50,7 +55,7 @@ def test_a_huge_header_is_refused_at_once_and_health_answers(launcher):
 
 
 def test_a_head_sent_slowly_is_timed_out(launcher):
-    port = launcher
+    port, _, _ = launcher
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         started = time.monotonic()
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -70,7 +75,7 @@ def test_a_head_sent_slowly_is_timed_out(launcher):
 
 
 def test_idle_connections_are_closed_and_new_requests_served(launcher):
-    port = launcher
+    port, _, _ = launcher
     idle = []
     try:
         for _ in range(MAX_CONNECTIONS + 16):  # more than the cap: the oldest ones give way to newer ones
@@ -88,3 +93,14 @@ def test_idle_connections_are_closed_and_new_requests_served(launcher):
     finally:
         for s in idle:
             s.close()
+
+
+def test_request_path_default_keeps_serves_own_proxy(launcher):
+    # last in the module: it stops the launcher
+    name, output = look_and_stop(*launcher)
+    assert name != "haproxy" and "ProxyActor" in name, (name, output[-3000:])
+    ready = [line for line in output.splitlines() if "vision service ready" in line]
+    assert len(ready) == 1 and "request path default (Serve's Python proxy, actor calls)" in ready[0], output
+    assert "drop --request-path default for the fast one" in ready[0], ready
+    assert any("vision app:" in line and "request path default" in line for line in output.splitlines()), output
+    assert "Traceback" not in output, output[-3000:]
