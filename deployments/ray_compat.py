@@ -116,7 +116,8 @@ One more function here uses no private API but depends on Ray's wording, so it l
   not be applied.`, logged by the launcher after its own `serve.start`, which did apply them, and an ingress
   replica's three lines on the fast path about the HTTP port it allocated and started (HAProxy sends to it).
   Every other record of the logger, this service's own lines among them, passes. If Ray rewords a line, it
-  shows again (the shutdown tests look for the first two, test_launcher_request_path.py for the others).
+  shows again (the shutdown tests look for the first two, test_proxy_limits.py and test_default_path_limits.py for the
+  others).
 """
 
 from __future__ import annotations
