@@ -1,11 +1,15 @@
 """Text through the running app (CPU Ray): a tiny CLIPModel checkpoint with its tokenizer, written by transformers
 (`tests/text_checkpoints.py`). Mixed text / image requests answered in order and equal to `encoder.load`'s
 `encode_text` / `encode` of the same checkpoint; `input_type: "text"` with the openai client; the text errors (4xx
-with their codes); `usage.prompt_tokens`; `GET /v1/models`; the handle's `embed_text`."""
+with their codes); `usage.prompt_tokens`; `GET /v1/models`; the handle's `embed_text`; `examples/search.py` against
+the app."""
 
 from __future__ import annotations
 
 import base64
+import importlib.util
+import shutil
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,6 +23,7 @@ from tests.text_checkpoints import write_clip
 
 pytestmark = pytest.mark.slow
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 TEXTS = ["a red bicycle", "a photo of a cat", "Ünïcode façade — 東京 😀", "cat " * 40]  # the last over-long
 
 
@@ -173,3 +178,40 @@ def test_text_off_serves_the_same_model_for_images_only(ray_cluster, clip_dir, r
         with pytest.raises(RequestError, match="text is off for this deployment") as info:
             svc.handle.embed_text.remote(TEXTS[:1]).result()
         assert info.value.code == "text_not_supported"
+
+
+# ------------------------------------------------------------------------------------- examples/search.py
+
+
+def test_search_example_ranks_by_the_models_own_cosines(app, clip_dir, ref, tmp_path):
+    """`examples/search.py` (docs/search.md) against the running service: the batch job embeds a folder of images, the
+    service embeds text (and image) queries, and the ranking equals the cosines of `encoder.load`'s own image and
+    text embeddings. (Here, not in a module of its own, to share this module's checkpoint and application.)"""
+    spec = importlib.util.spec_from_file_location("example_search", EXAMPLES / "search.py")
+    search = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(search)
+    photos = tmp_path / "photos"
+    (photos / "more").mkdir(parents=True)
+    shutil.copy(EXAMPLES / "images" / "gradient.jpg", photos / "gradient.jpg")
+    for i in range(5):
+        (photos / ("more" if i % 2 else ".") / f"img{i}.png").write_bytes(
+            encode(random_image("RGB", 40 + 15 * i, 80 - 7 * i, seed=i), "PNG")
+        )
+    (photos / "notes.txt").write_text("not an image")  # not picked up
+    queries = ["a photo of a cat", "a red bicycle", str(photos / "img2.png")]
+    results = search.main(app.base_url, photos, str(clip_dir), queries, top_k=6)
+
+    paths = sorted(str(p.resolve()) for p in photos.rglob("*") if p.suffix in (".jpg", ".png"))
+    images = ref.encode([Path(p).read_bytes() for p in paths], pooling="model-l2")
+    want_vectors = [*ref.encode_text(queries[:2], pooling="model-l2"), images[paths.index(queries[2])]]
+    image_matrix = np.stack([v.numpy() for v in images])
+    for q, vec in zip(queries, want_vectors, strict=True):
+        cosines = image_matrix @ vec.numpy()
+        order = np.argsort(-cosines, kind="stable")
+        got = results[q]
+        assert len(got) == 6
+        np.testing.assert_allclose([s for _, s in got], cosines[order], atol=1e-4)
+        # the same ranking (ties within the tolerance may swap)
+        for (path, score), i in zip(got, order, strict=True):
+            assert path == paths[i] or abs(score - cosines[i]) < 1e-4
+    assert results[queries[2]][0] == (queries[2], pytest.approx(1.0, abs=1e-4))  # an image finds itself
