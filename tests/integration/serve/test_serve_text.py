@@ -18,7 +18,7 @@ import pytest
 import encoder
 from encoder.errors import InvalidArgumentError
 from tests.images_util import encode, random_image
-from tests.serve_fixtures import running_app
+from tests.serve_fixtures import running_apps
 from tests.text_checkpoints import write_clip
 
 pytestmark = pytest.mark.slow
@@ -40,11 +40,27 @@ def ref(clip_dir):
 
 
 @pytest.fixture(scope="module")
-def app(ray_cluster, clip_dir):
+def apps(ray_cluster, clip_dir):
+    """The checkpoint served with its text side ("text", at /) and with `text=false` ("text-off", at /text-off),
+    deployed side by side (`running_apps`): the second's start-up overlaps the first's instead of following it."""
     from deployments import build_app
 
-    with running_app(build_app({"model": str(clip_dir), "num_replicas": 1, "dtype": "float32"}), name="text") as svc:
-        yield svc
+    args = {"model": str(clip_dir), "num_replicas": 1, "dtype": "float32"}
+    with running_apps(
+        [(build_app(args), "text", "/"), (build_app({**args, "text": False}), "text-off", "/text-off")]
+    ) as svcs:
+        yield svcs
+
+
+@pytest.fixture(scope="module")
+def app(apps):
+    return apps[0]
+
+
+@pytest.fixture(scope="module")
+def text_off_app(apps):
+    """The `text=false` app; its `base_url` ends in its prefix /text-off."""
+    return apps[1]
 
 
 def data_url(data: bytes) -> str:
@@ -148,36 +164,34 @@ def test_concurrent_text_and_image_handle_calls_each_get_their_own(app, ref):
         close(call.result()[0], want.numpy())
 
 
-def test_text_off_serves_the_same_model_for_images_only(ray_cluster, clip_dir, ref):
+def test_text_off_serves_the_same_model_for_images_only(text_off_app, ref):
     """`text=false`: a text-capable checkpoint served for images only. Its replicas load no text side
     (`describe()["text"]` None), /v1/models lists images only, a text item or `embed_text` is 400
     `text_not_supported` saying text is off, images are answered with the model's own embeddings."""
     from ray import serve
 
-    from deployments import build_app
     from deployments.config import ENCODER_NAME
     from deployments.errors import RequestError
 
-    args = {"model": str(clip_dir), "num_replicas": 1, "dtype": "float32", "text": False}
-    with running_app(build_app(args), name="text-off", route_prefix="/text-off") as svc:
-        encoder_handle = serve.get_deployment_handle(ENCODER_NAME, app_name=svc.name)
-        assert encoder_handle.describe.remote().result()["text"] is None
-        image = encode(random_image("RGB", 48, 64, seed=3), "PNG")
-        base_url = svc.base_url + "/text-off"
-        with httpx.Client(base_url=base_url, timeout=120) as client:
-            (model,) = client.get("/v1/models").json()["data"]
-            assert model["input_types"] == ["image"]
-            r = client.post("/v1/embeddings", json={"input": [{"text": TEXTS[0]}, {"image": data_url(image)}]})
-            assert r.status_code == 400, r.text
-            error = r.json()["error"]
-            assert (error["code"], error["param"]) == ("text_not_supported", "input")
-            assert "text is off for this deployment" in error["message"], error
-            r = client.post("/v1/embeddings", json={"input": [data_url(image)], "encoding_format": "float"})
-            assert r.status_code == 200, r.text
-        close(r.json()["data"][0]["embedding"], ref.encode([image])[0].numpy())
-        with pytest.raises(RequestError, match="text is off for this deployment") as info:
-            svc.handle.embed_text.remote(TEXTS[:1]).result()
-        assert info.value.code == "text_not_supported"
+    svc = text_off_app
+    encoder_handle = serve.get_deployment_handle(ENCODER_NAME, app_name=svc.name)
+    assert encoder_handle.describe.remote().result()["text"] is None
+    image = encode(random_image("RGB", 48, 64, seed=3), "PNG")
+    base_url = svc.base_url
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        (model,) = client.get("/v1/models").json()["data"]
+        assert model["input_types"] == ["image"]
+        r = client.post("/v1/embeddings", json={"input": [{"text": TEXTS[0]}, {"image": data_url(image)}]})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("text_not_supported", "input")
+        assert "text is off for this deployment" in error["message"], error
+        r = client.post("/v1/embeddings", json={"input": [data_url(image)], "encoding_format": "float"})
+        assert r.status_code == 200, r.text
+    close(r.json()["data"][0]["embedding"], ref.encode([image])[0].numpy())
+    with pytest.raises(RequestError, match="text is off for this deployment") as info:
+        svc.handle.embed_text.remote(TEXTS[:1]).result()
+    assert info.value.code == "text_not_supported"
 
 
 # ------------------------------------------------------------------------------------- examples/search.py
