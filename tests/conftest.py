@@ -49,9 +49,11 @@ except ImportError as exc:
 # (docs/journal/benchmarks.md, tenth session). `pytest_collection_modifyitems` checks the list against the marks.
 RAY_OF_ITS_OWN = "ray-of-its-own"
 RAY_OF_ITS_OWN_MODULES = frozenset({
+    "tests/integration/batch/test_batch_example.py",
     "tests/integration/batch/test_batch_reaper.py",
     "tests/integration/cluster/test_multinode.py",
     "tests/integration/serve/test_default_path_limits.py",
+    "tests/integration/serve/test_examples_local.py",
     "tests/integration/serve/test_launcher_config.py",
     "tests/integration/serve/test_proxy_limits.py",
     "tests/integration/serve/test_serve_fast_path.py",

@@ -96,9 +96,10 @@ def delete_apps(names: list[str]) -> None:
     if not ray.is_initialized():
         return
     running = set(serve.status().applications)  # empty when no Serve instance runs
-    for name in names:
-        if name in running:
-            serve.delete(name)
+    from ray.serve.context import _get_global_client
+
+    # all at once, then wait for them all (`serve.delete` is one app: deleted and waited for, then the next)
+    _get_global_client().delete_apps([name for name in names if name in running], blocking=True)
 
 
 @contextmanager

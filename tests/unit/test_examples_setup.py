@@ -1,5 +1,6 @@
 """What the examples need is what the README's first command installs, and no example joins a Ray cluster it
-was not told about (read from the source; `tests/integration/serve/test_examples.py` runs them)."""
+was not told about (read from the source; `tests/integration/serve/test_examples.py` and `test_examples_local.py` run
+them)."""
 
 from __future__ import annotations
 

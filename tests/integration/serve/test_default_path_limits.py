@@ -33,10 +33,12 @@ MAX_HEADER_BYTES = 16384
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory):
-    """(port, process, log path) of a launcher on Serve's default path with a small connection cap and idle timeout."""
+    """(port, process, log path) of a launcher on Serve's default path with a small connection cap and idle timeout.
+    drain_grace_s=0: the stop at the end (`look_and_stop`, right after a request) does not wait out the 5 s grace,
+    which nothing here is about."""
     args = [
         "--request-path", "default", f"proxy_idle_timeout_s={IDLE_TIMEOUT_S}",
-        f"proxy_max_connections={MAX_CONNECTIONS}", f"proxy_max_header_bytes={MAX_HEADER_BYTES}",
+        f"proxy_max_connections={MAX_CONNECTIONS}", f"proxy_max_header_bytes={MAX_HEADER_BYTES}", "drain_grace_s=0",
     ]  # fmt: skip
     env = {k: v for k, v in environment().items() if not k.startswith(("RAY_SERVE_HAPROXY_", "RAY_SERVE_HTTP_PROXY"))}
     with running_launcher(tmp_path_factory.mktemp("default_path_limits"), args, env) as launched:

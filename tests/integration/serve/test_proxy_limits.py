@@ -38,8 +38,9 @@ MAX_CONNECTIONS = 32
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory):
     """(port, process, log path) of a launcher on 127.0.0.1 with a small connection cap and idle timeout, started
-    with none of Serve's flags exported (`tests.launcher.environment`)."""
-    args = [f"proxy_idle_timeout_s={IDLE_TIMEOUT_S}", f"proxy_max_connections={MAX_CONNECTIONS}"]
+    with none of Serve's flags exported (`tests.launcher.environment`). drain_grace_s=0: the stop at the end
+    (`look_and_stop`, right after a request) does not wait out the 5 s grace, which nothing here is about."""
+    args = [f"proxy_idle_timeout_s={IDLE_TIMEOUT_S}", f"proxy_max_connections={MAX_CONNECTIONS}", "drain_grace_s=0"]
     with running_launcher(tmp_path_factory.mktemp("proxy_limits"), args) as launched:
         yield launched
 

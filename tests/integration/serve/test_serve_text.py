@@ -1,11 +1,15 @@
 """Text through the running app (CPU Ray): a tiny CLIPModel checkpoint with its tokenizer, written by transformers
 (`tests/text_checkpoints.py`). Mixed text / image requests answered in order and equal to `encoder.load`'s
 `encode_text` / `encode` of the same checkpoint; `input_type: "text"` with the openai client; the text errors (4xx
-with their codes); `usage.prompt_tokens`; `GET /v1/models`; the handle's `embed_text`."""
+with their codes); `usage.prompt_tokens`; `GET /v1/models`; the handle's `embed_text`; `examples/search.py` against
+the app."""
 
 from __future__ import annotations
 
 import base64
+import importlib.util
+import shutil
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -14,11 +18,12 @@ import pytest
 import encoder
 from encoder.errors import InvalidArgumentError
 from tests.images_util import encode, random_image
-from tests.serve_fixtures import running_app
+from tests.serve_fixtures import running_apps
 from tests.text_checkpoints import write_clip
 
 pytestmark = pytest.mark.slow
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 TEXTS = ["a red bicycle", "a photo of a cat", "Ünïcode façade — 東京 😀", "cat " * 40]  # the last over-long
 
 
@@ -35,11 +40,27 @@ def ref(clip_dir):
 
 
 @pytest.fixture(scope="module")
-def app(ray_cluster, clip_dir):
+def apps(ray_cluster, clip_dir):
+    """The checkpoint served with its text side ("text", at /) and with `text=false` ("text-off", at /text-off),
+    deployed side by side (`running_apps`): the second's start-up overlaps the first's instead of following it."""
     from deployments import build_app
 
-    with running_app(build_app({"model": str(clip_dir), "num_replicas": 1, "dtype": "float32"}), name="text") as svc:
-        yield svc
+    args = {"model": str(clip_dir), "num_replicas": 1, "dtype": "float32"}
+    with running_apps(
+        [(build_app(args), "text", "/"), (build_app({**args, "text": False}), "text-off", "/text-off")]
+    ) as svcs:
+        yield svcs
+
+
+@pytest.fixture(scope="module")
+def app(apps):
+    return apps[0]
+
+
+@pytest.fixture(scope="module")
+def text_off_app(apps):
+    """The `text=false` app; its `base_url` ends in its prefix /text-off."""
+    return apps[1]
 
 
 def data_url(data: bytes) -> str:
@@ -143,33 +164,68 @@ def test_concurrent_text_and_image_handle_calls_each_get_their_own(app, ref):
         close(call.result()[0], want.numpy())
 
 
-def test_text_off_serves_the_same_model_for_images_only(ray_cluster, clip_dir, ref):
+def test_text_off_serves_the_same_model_for_images_only(text_off_app, ref):
     """`text=false`: a text-capable checkpoint served for images only. Its replicas load no text side
     (`describe()["text"]` None), /v1/models lists images only, a text item or `embed_text` is 400
     `text_not_supported` saying text is off, images are answered with the model's own embeddings."""
     from ray import serve
 
-    from deployments import build_app
     from deployments.config import ENCODER_NAME
     from deployments.errors import RequestError
 
-    args = {"model": str(clip_dir), "num_replicas": 1, "dtype": "float32", "text": False}
-    with running_app(build_app(args), name="text-off", route_prefix="/text-off") as svc:
-        encoder_handle = serve.get_deployment_handle(ENCODER_NAME, app_name=svc.name)
-        assert encoder_handle.describe.remote().result()["text"] is None
-        image = encode(random_image("RGB", 48, 64, seed=3), "PNG")
-        base_url = svc.base_url + "/text-off"
-        with httpx.Client(base_url=base_url, timeout=120) as client:
-            (model,) = client.get("/v1/models").json()["data"]
-            assert model["input_types"] == ["image"]
-            r = client.post("/v1/embeddings", json={"input": [{"text": TEXTS[0]}, {"image": data_url(image)}]})
-            assert r.status_code == 400, r.text
-            error = r.json()["error"]
-            assert (error["code"], error["param"]) == ("text_not_supported", "input")
-            assert "text is off for this deployment" in error["message"], error
-            r = client.post("/v1/embeddings", json={"input": [data_url(image)], "encoding_format": "float"})
-            assert r.status_code == 200, r.text
-        close(r.json()["data"][0]["embedding"], ref.encode([image])[0].numpy())
-        with pytest.raises(RequestError, match="text is off for this deployment") as info:
-            svc.handle.embed_text.remote(TEXTS[:1]).result()
-        assert info.value.code == "text_not_supported"
+    svc = text_off_app
+    encoder_handle = serve.get_deployment_handle(ENCODER_NAME, app_name=svc.name)
+    assert encoder_handle.describe.remote().result()["text"] is None
+    image = encode(random_image("RGB", 48, 64, seed=3), "PNG")
+    base_url = svc.base_url
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        (model,) = client.get("/v1/models").json()["data"]
+        assert model["input_types"] == ["image"]
+        r = client.post("/v1/embeddings", json={"input": [{"text": TEXTS[0]}, {"image": data_url(image)}]})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("text_not_supported", "input")
+        assert "text is off for this deployment" in error["message"], error
+        r = client.post("/v1/embeddings", json={"input": [data_url(image)], "encoding_format": "float"})
+        assert r.status_code == 200, r.text
+    close(r.json()["data"][0]["embedding"], ref.encode([image])[0].numpy())
+    with pytest.raises(RequestError, match="text is off for this deployment") as info:
+        svc.handle.embed_text.remote(TEXTS[:1]).result()
+    assert info.value.code == "text_not_supported"
+
+
+# ------------------------------------------------------------------------------------- examples/search.py
+
+
+def test_search_example_ranks_by_the_models_own_cosines(app, clip_dir, ref, tmp_path):
+    """`examples/search.py` (docs/search.md) against the running service: the batch job embeds a folder of images, the
+    service embeds text (and image) queries, and the ranking equals the cosines of `encoder.load`'s own image and
+    text embeddings. (Here, not in a module of its own, to share this module's checkpoint and application.)"""
+    spec = importlib.util.spec_from_file_location("example_search", EXAMPLES / "search.py")
+    search = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(search)
+    photos = tmp_path / "photos"
+    (photos / "more").mkdir(parents=True)
+    shutil.copy(EXAMPLES / "images" / "gradient.jpg", photos / "gradient.jpg")
+    for i in range(5):
+        (photos / ("more" if i % 2 else ".") / f"img{i}.png").write_bytes(
+            encode(random_image("RGB", 40 + 15 * i, 80 - 7 * i, seed=i), "PNG")
+        )
+    (photos / "notes.txt").write_text("not an image")  # not picked up
+    queries = ["a photo of a cat", "a red bicycle", str(photos / "img2.png")]
+    results = search.main(app.base_url, photos, str(clip_dir), queries, top_k=6)
+
+    paths = sorted(str(p.resolve()) for p in photos.rglob("*") if p.suffix in (".jpg", ".png"))
+    images = ref.encode([Path(p).read_bytes() for p in paths], pooling="model-l2")
+    want_vectors = [*ref.encode_text(queries[:2], pooling="model-l2"), images[paths.index(queries[2])]]
+    image_matrix = np.stack([v.numpy() for v in images])
+    for q, vec in zip(queries, want_vectors, strict=True):
+        cosines = image_matrix @ vec.numpy()
+        order = np.argsort(-cosines, kind="stable")
+        got = results[q]
+        assert len(got) == 6
+        np.testing.assert_allclose([s for _, s in got], cosines[order], atol=1e-4)
+        # the same ranking (ties within the tolerance may swap)
+        for (path, score), i in zip(got, order, strict=True):
+            assert path == paths[i] or abs(score - cosines[i]) < 1e-4
+    assert results[queries[2]][0] == (queries[2], pytest.approx(1.0, abs=1e-4))  # an image finds itself

@@ -17,7 +17,7 @@ import pytest
 import encoder
 from encoder.errors import EncoderError, InvalidVideoError, VideoDecodeError
 from tests.images_util import encode, random_array, random_image
-from tests.serve_fixtures import running_app
+from tests.serve_fixtures import running_apps
 from tests.video_util import frames, make_video
 
 pytestmark = pytest.mark.slow
@@ -32,12 +32,21 @@ def ref():
 
 
 @pytest.fixture(scope="module")
-def app(ray_cluster):
+def apps(ray_cluster):
+    """The Qwen3-VL app, and a Qwen2.5-VL one (the `tiny` preset) beside it at its own route prefix, deployed
+    side by side (`running_apps`): the second's start-up overlaps the first's instead of following it."""
     from deployments import build_app
 
-    args = {"model": MODEL, "num_replicas": 1, "dtype": "float32", "max_request_images": 8}
-    with running_app(build_app(args), name="video") as svc:
-        yield svc
+    args = {"num_replicas": 1, "dtype": "float32", "max_request_images": 8}
+    specs = [(build_app({**args, "model": MODEL}), "video", "/"),
+             (build_app({**args, "model": "tiny"}), "video-qwen25", "/qwen25")]  # fmt: skip
+    with running_apps(specs) as services:
+        yield services
+
+
+@pytest.fixture(scope="module")
+def app(apps):
+    return apps[0]
 
 
 @pytest.fixture(scope="module")
@@ -146,13 +155,9 @@ def test_http_video_llm_outputs_carry_grid_and_timestamps(app, ref, clips):
 
 
 @pytest.fixture(scope="module")
-def app25(ray_cluster):
-    """A Qwen2.5-VL app (the `tiny` preset) beside the Qwen3-VL one, at its own route prefix."""
-    from deployments import build_app
-
-    args = {"model": "tiny", "num_replicas": 1, "dtype": "float32", "max_request_images": 8}
-    with running_app(build_app(args), name="video-qwen25", route_prefix="/qwen25") as svc:
-        yield svc
+def app25(apps):
+    """The Qwen2.5-VL app (the `tiny` preset) beside the Qwen3-VL one; its `base_url` ends in its prefix /qwen25."""
+    return apps[1]
 
 
 def test_qwen25_video_llm_outputs_carry_second_per_grid_ts(app25, clips):
@@ -173,7 +178,7 @@ def test_qwen25_video_llm_outputs_carry_second_per_grid_ts(app25, clips):
             assert g["second_per_grid_ts"] == pytest.approx(w.second_per_grid_ts)
             close(g[key], w.tokens)
     png = encode(random_image("RGB", 32, 48, seed=8), "PNG")
-    with httpx.Client(base_url=app25.base_url + "/qwen25", timeout=120) as client:
+    with httpx.Client(base_url=app25.base_url, timeout=120) as client:
         r = client.post("/v1/embeddings", json={"input": [{"video": video_url(clips[1])}, {"image": image_url(png)}],
                                                 "pooling": "none"})  # fmt: skip
     assert r.status_code == 200, r.text
