@@ -8,6 +8,7 @@ GPU machine without the project's dependencies (pydantic among them) can run the
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -224,11 +225,24 @@ def use_backend(enc, name: str) -> None:
     tower.set_backend(resolve_attention(name, tower.attention_kinds, enc.device, enc.dtype, enc.config.head_dim))
 
 
-def make_batch(enc, images: int, side: int):
-    """`images` random square images of `side` pixels as one `encoder.PatchBatch` on the GPU."""
+def grid_side(enc, side: int, raw: bool = False) -> int:
+    """Patches along each side of a square image of `side` pixels as the model's processor sizes it (Qwen3-VL
+    scales a 224² image up to 256² for its 65,536-pixel minimum: 16 x 16 patches, not 14 x 14); `raw`: side //
+    patch size, the grid of pixels nobody resized (a size Qwen3-VL's processor never makes from 224²)."""
+    if raw:
+        return side // enc.config.patch_size
+    n = enc.num_patches(side, side)
+    g = math.isqrt(n)
+    assert g * g == n, f"a square {side}² image became {n} patches: not a square grid"
+    return g
+
+
+def make_batch(enc, images: int, side: int, raw: bool = False):
+    """`images` random square images of `side` pixels, sized as the model's processor sizes them (`grid_side`),
+    as one `encoder.PatchBatch` on the GPU."""
     import encoder
 
-    g = side // enc.config.patch_size
+    g = grid_side(enc, side, raw)
     grid = torch.tensor([[1, g, g]] * images, device="cuda")  # HF builds positions on grid_thw's device
     pv = torch.randn(images * g * g, enc.config.patch_dim, device="cuda")
     return encoder.PatchBatch(pv, grid)

@@ -9,7 +9,9 @@ Prints a markdown table with latency, images/s, patches/s and utilisation, and w
                        the burst peak, a short bf16 8192³ matmul, measured at the start.
   whole / sustained    the same against the sustained peak: the tower's own largest GEMM at the workload's row
                        count looped for --sustain-s seconds (≥ 2), the GPU's SM clock and power sampled meanwhile.
-Both peaks are measured in this process, before the rows; the burst peak again at the end.
+Both peaks are measured in this process, before the rows; the burst peak again at the end. A workload NxS is N
+random square images of S pixels a side as the model's processor sizes them (Qwen3-VL: a 224² image becomes 16 x 16
+patches, its 65,536-pixel minimum); `--raw-grid`: S // patch-size patches a side instead.
 
     python -m benchmarks.engine [--model qwen3-vl-8b] [--backends triton,torch_varlen] [--json out.json]
 """
@@ -25,6 +27,7 @@ import torch
 
 from benchmarks.common import (
     WORKLOADS,
+    grid_side,
     make_batch,
     markdown_table,
     matmul_peak,
@@ -37,25 +40,21 @@ from benchmarks.common import (
 from benchmarks.flops import forward_flops, largest_gemm, linear_flops
 
 
-def workload_grid(cfg, workload: str) -> list[list[int]]:
-    """[[t, h, w], ...] in patches: the workload's images, square, one frame each."""
+def workload_grid(enc, workload: str, raw: bool = False) -> list[list[int]]:
+    """[[t, h, w], ...] in patches: the workload's images, square, one frame each, sized as the model's processor
+    sizes them (`benchmarks.common.grid_side`; `raw`: side // patch size)."""
     images, side = WORKLOADS[workload]
-    g = side // cfg.patch_size
+    g = grid_side(enc, side, raw)
     return [[1, g, g]] * images
 
 
-def workload_flops(cfg, workload: str) -> dict:
-    """The whole forward's matmul FLOPs of one workload (linear, attention, total, patches)."""
-    return forward_flops(cfg, workload_grid(cfg, workload))
-
-
-def measure_peaks(cfg, workloads: list[str], seconds: float) -> tuple[float, dict]:
+def measure_peaks(cfg, work: dict[str, dict], seconds: float) -> tuple[float, dict]:
     """The burst peak (TFLOP/s), then the sustained peak of each workload's largest GEMM (one run per distinct
     shape), each with its clocks and power."""
     burst = matmul_peak()
     sustained, by_shape = {}, {}
-    for wl in workloads:
-        shape = largest_gemm(cfg, workload_flops(cfg, wl)["patches"])
+    for wl, w in work.items():
+        shape = largest_gemm(cfg, w["patches"])
         if shape not in by_shape:
             by_shape[shape] = sustained_peak(*shape, seconds=seconds)
             s = by_shape[shape]
@@ -124,6 +123,10 @@ def main() -> int:
     parser.add_argument("--fp8-fast-accum", action="store_true", help="fp8 GEMMs without float32 promotion")
     parser.add_argument("--sustain-s", type=float, default=2.0, help="seconds each sustained-peak GEMM loops (>= 2)")
     parser.add_argument(
+        "--raw-grid", action="store_true",
+        help="images of side // patch-size patches, not sized by the model's processor (Qwen3-VL: 14² for 224²)",
+    )  # fmt: skip
+    parser.add_argument(
         "--pad-compare", action="store_true",
         help="first time graph replay with the MLP width unpadded (pad_mlp=0), with the first backend",
     )  # fmt: skip
@@ -146,8 +149,10 @@ def main() -> int:
     usable = [n for n, why in available_backends().items() if why is None]
     names = args.backends.split(",") if args.backends else [*usable, "auto"]
     workloads = args.workloads.split(",")
-    work = {wl: workload_flops(cfg, wl) for wl in workloads}
-    peak, sustained = measure_peaks(cfg, workloads, max(args.sustain_s, 2.0))
+    grids = {wl: workload_grid(base, wl, args.raw_grid) for wl in workloads}
+    work = {wl: forward_flops(cfg, grid) for wl, grid in grids.items()}
+    peak, sustained = measure_peaks(cfg, work, max(args.sustain_s, 2.0))
+    print("workloads (patches per image):", ", ".join(f"{wl} {g[0][1] * g[0][2]}" for wl, g in grids.items()))
     rows = []
 
     def record(impl, wl, ms, extra=None):
@@ -164,7 +169,7 @@ def main() -> int:
     if not args.no_hf:
         hf = hf_tower(base)
         for wl in workloads:
-            batch = make_batch(base, *WORKLOADS[wl])
+            batch = make_batch(base, *WORKLOADS[wl], raw=args.raw_grid)
             with torch.inference_mode():
                 record("HF transformers eager (sdpa)", wl, timed(lambda b=batch: hf(b.pixel_values, b.grid_thw), 5))
         del hf
@@ -174,7 +179,7 @@ def main() -> int:
         use_backend(base, names[0])
         graph = workspace.GraphEncoder(base, pad_mlp=0)
         for wl in workloads:
-            batch = make_batch(base, *WORKLOADS[wl])
+            batch = make_batch(base, *WORKLOADS[wl], raw=args.raw_grid)
             run = lambda b=batch, g=graph: g.runner.run(b.pixel_values, b.grid_thw)  # noqa: E731
             record(f"ours graph ({names[0]}), MLP width {cfg.mlp_dim} unpadded", wl, timed(run, args.iters))
         del graph
@@ -183,14 +188,15 @@ def main() -> int:
     for name in names:
         use_backend(base, name)
         for wl in workloads:
-            batch = make_batch(base, *WORKLOADS[wl])
-            record(f"ours eager ({name})", wl, timed(lambda b=batch: base.forward_packed(b), args.iters))
+            batch = make_batch(base, *WORKLOADS[wl], raw=args.raw_grid)
+            with torch.inference_mode():  # as HF's rows and every GraphEncoder call
+                record(f"ours eager ({name})", wl, timed(lambda b=batch: base.forward_packed(b), args.iters))
         t0 = time.perf_counter()
         graph = workspace.GraphEncoder(base)
         setup = time.perf_counter() - t0
         stats = graph.stats()
         for wl in workloads:
-            batch = make_batch(base, *WORKLOADS[wl])
+            batch = make_batch(base, *WORKLOADS[wl], raw=args.raw_grid)
             run = lambda b=batch, g=graph: g.runner.run(b.pixel_values, b.grid_thw)  # noqa: E731
             record(f"ours graph ({name})", wl, timed(run, args.iters),
                    {"capture_s": stats["capture_seconds"], "capture_gib": stats["capture_bytes"] / 2**30,
@@ -220,12 +226,13 @@ def report(model, cfg, peak, peak_end, sustained, work, rows) -> str:
     peaks = []
     for wl, w in work.items():
         s = sustained[wl]
-        peaks.append([wl, f"{w['linear'] / 1e9:.1f}", f"{w['attention'] / 1e9:.1f}",
+        peaks.append([wl, str(w["patches"]), f"{w['linear'] / 1e9:.1f}", f"{w['attention'] / 1e9:.1f}",
                       f"{w['attention'] / w['total'] * 100:.1f}%", "x".join(map(str, s["shape"])), f"{s['tflops']:.0f}",
                       f"{s['seconds']:.1f}", _fmt(s["sm_mhz"]), f"{_fmt(s['sm_mhz_min'])}-{_fmt(s['sm_mhz_max'])}",
                       _fmt(s["power_w"])])  # fmt: skip
-    lines += [markdown_table(["workload", "linear GFLOP", "attention GFLOP", "attention share", "largest GEMM",
-                              "sustained TFLOP/s", "s", "SM MHz", "SM MHz range", "W"], peaks), ""]  # fmt: skip
+    lines += [markdown_table(["workload", "patches", "linear GFLOP", "attention GFLOP", "attention share",
+                              "largest GEMM", "sustained TFLOP/s", "s", "SM MHz", "SM MHz range", "W"],
+                             peaks), ""]  # fmt: skip
     table = [[r["impl"], r["workload"], f"{r['ms']:.2f}", f"{r['img_s']:.0f}", f"{r['patch_s']:.0f}",
               f"{r['tflops']:.0f}", f"{r['mfu'] * 100:.1f}%", f"{r['util_burst'] * 100:.1f}%",
               f"{r['util_sustained'] * 100:.1f}%"] for r in rows]  # fmt: skip

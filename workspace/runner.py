@@ -76,11 +76,12 @@ class RunnerStats:
 
 
 # A pack of at least EXACT_MIN_PATCHES that would pad its bucket by at least EXACT_MIN_PADDING of the budget runs
-# eagerly at its exact size: at that size the GPU work dwarfs the launches a graph saves, and the padding rows
-# are pure waste. Measured on the H100 (docs/performance.md, utilisation rows): Qwen3-VL-8B 8 x 896² (25,088
-# patches in the 32,768 bucket, 23% padding) 94.1 ms eager against 106.8 ms replayed; 32 x 224² (6,272 in
-# 8,192) 16.7 ms against 18.4 ms.
-EXACT_MIN_PATCHES = 4096
+# eagerly at its exact size: at that size the GPU work dwarfs the host's launches of an eager forward, and the
+# padding rows are pure waste. Measured on the H100 (docs/journal/benchmarks.md): Qwen3-VL-8B 8 x 896² (25,088
+# patches in the 32,768 bucket, 23% padding) 94.1 ms eager against 106.8 ms replayed. Below it the host decides:
+# 32 x 14² (6,272 in 8,192) through `GraphEncoder.encode` took 25.97 ms eager against 18.42 ms replayed padded on a
+# slow-launching host (its bare eager forward 16.16 ms; FA4), so mid-size packs replay padded.
+EXACT_MIN_PATCHES = 16384
 EXACT_MIN_PADDING = 0.125
 
 
@@ -242,6 +243,7 @@ class GraphRunner:
         out = self.run_all(pixel_values, grid_thw)
         return out.tokens, out.means
 
+    @torch.inference_mode()  # as GraphEncoder's callers: no autograd bookkeeping on the eager packs' launches
     def run_all(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> RunOutput:
         """Tokens and means per image, plus the model embeddings and DeepStack features where the tower has them.
 
@@ -344,8 +346,15 @@ class GraphRunner:
         # what no bucket fits: the same body over exactly these images (one frame slot per frame)
         idx = list(pack.indices)
         sub = [grid[i] for i in idx]
-        src = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in idx]).to(self.device)
-        frames = frames_of(torch.tensor(sub)).to(self.device)
+        if idx == list(range(idx[0], idx[-1] + 1)):  # consecutive images: one slice of the packed input, no copy
+            src = pixel_values[starts[idx[0]] : starts[idx[-1] + 1]].to(self.device)
+        else:
+            src = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in idx]).to(self.device)
+        # pinned and non-blocking, as in _run_bucket: a pageable upload would wait for every replay already
+        # queued, so the host could not launch this forward while the GPU runs the previous batch
+        frames = frames_of(torch.tensor(sub))
+        if self.device.type == "cuda":
+            frames = frames.pin_memory().to(self.device, non_blocking=True)
         out = self.tower.forward_packed(src, frames, self.tower.batch_bounds(sub))
         self.stats.eager_runs += 1
         tokens, deep = self._split(out, src.shape[0], [self._tokens(thw) for thw in sub], copy=False)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import encoder
 import encoder.models.geometry
 import workspace
-from benchmarks.common import make_batch, timed, use_backend
+from benchmarks.common import grid_side, make_batch, timed, use_backend
 from benchmarks.flops import linear_flops
 from encoder.kernels.elementwise import add_norm, linear_gelu_tanh
 
@@ -132,7 +132,7 @@ def run(args) -> int:
     use_backend(base, args.backend)
     cfg = base.config
     batch = make_batch(base, args.images, args.side)
-    per = (args.side // cfg.patch_size) ** 2
+    per = grid_side(base, args.side) ** 2
     total = args.images * per
     buckets = [total]
     tower = base.model

@@ -23,7 +23,7 @@ import torch
 
 import encoder
 import workspace
-from benchmarks.common import make_batch, timed, trace_kernels, use_backend
+from benchmarks.common import grid_side, make_batch, timed, trace_kernels, use_backend
 from benchmarks.experiments.graph_gap import used_shape
 
 KINDS = [  # (kind, regex on the kernel name); first match wins
@@ -89,7 +89,7 @@ def main() -> int:
     base = encoder.load(args.model, device="cuda", dtype=torch.bfloat16)
     use_backend(base, args.backend)
     batch = make_batch(base, args.images, args.side)
-    per = (args.side // base.config.patch_size) ** 2
+    per = grid_side(base, args.side) ** 2
     total = args.images * per
     with torch.inference_mode():
         graph = workspace.GraphEncoder(base, buckets=[total])
