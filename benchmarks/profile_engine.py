@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import encoder
+from benchmarks.common import grid_side
 
 
 def main() -> int:
@@ -24,7 +25,7 @@ def main() -> int:
     parser.add_argument("--model", default="qwen2.5-vl-7b")
     parser.add_argument("--backend", default=None)
     parser.add_argument("--images", default="1,32", help="224x224 images per profiled forward, comma list")
-    parser.add_argument("--side", type=int, default=224, help="image side in pixels")
+    parser.add_argument("--side", type=int, default=224, help="image side in pixels, as the processor sizes it")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--launch", action="store_true", help="profile the host side of one-image launches")
     parser.add_argument("--graph", action="store_true", help="profile graph replays (GraphEncoder) instead of eager")
@@ -47,7 +48,7 @@ def main() -> int:
 
         graph = GraphEncoder(enc)
         run = lambda b: graph.runner.run(b.pixel_values, b.grid_thw)  # noqa: E731
-    g = args.side // enc.config.patch_size
+    g = grid_side(enc, args.side)  # as the model's processor sizes a square image of that side
     for n in map(int, args.images.split(",")):
         grid = torch.tensor([[1, g, g]] * n)
         batch = encoder.PatchBatch(torch.randn(n * g * g, enc.config.patch_dim, device="cuda"), grid)
