@@ -13,7 +13,9 @@ Run: `python -m benchmarks.experiments.graph_gap --model qwen3-vl-8b --images 8 
 
 Answer (H200, 2026-12-01): graph replay is not slower than eager in one process (Qwen3-VL-8B 8×896²: replay 68.97
 ms, eager 69.75); the earlier gap was two machines' states. The GPU runs at its 700 W cap (SM 1,610–1,670 MHz
-against 1,980 idle), so the 45%-MFU bar is a kernel-time problem at the power limit.
+against 1,980 idle), so the 45%-MFU bar is a kernel-time problem at the power limit. Again (H100, 2026-12-07),
+32 x 14² grids in their own 6,272 bucket: replay 14.77 ms, runner 15.06, eager 16.70; the slow 32 x 224² rows
+came from padding into the default 8,192 bucket and the runner's exact-size eager pack, not from the graph.
 """
 
 from __future__ import annotations
