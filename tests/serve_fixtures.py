@@ -1,4 +1,4 @@
-"""Shared Ray / Serve fixtures for the service tests (a pytest plugin: `pytest_plugins = [...]`).
+"""Shared Ray / Serve fixtures for the service tests (tests/conftest.py registers `ray_cluster` for every module).
 
 One Ray instance per test session (starting Ray costs ~8 s here), with logical resources so an
 ingress and two encoder replicas fit on a 2-CPU machine, and one Serve instance (its controller and HTTP

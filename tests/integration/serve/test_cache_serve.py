@@ -16,8 +16,6 @@ from ray import serve
 from deployments.config import ENCODER_NAME
 from tests.images_util import encode, random_image
 
-pytest_plugins = ["tests.serve_fixtures"]
-
 APP_ARGS = {"model": "tiny", "num_replicas": 1, "cache_mib": 8, "max_request_images": 8}
 NAME = "vision-cache"
 
