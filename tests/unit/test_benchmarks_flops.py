@@ -103,3 +103,26 @@ def test_the_gpu_sampler_summarises_what_it_read_and_survives_a_failing_reader()
     assert (got["power_w"], got["power_w_min"], got["power_w_max"]) == (690.0, 200.0, 700.0)
     empty = GpuSampler(read=lambda: (None, None))
     assert empty.summary()["sm_mhz"] is None
+
+
+@pytest.mark.parametrize(
+    ("model", "side", "processor", "raw"),
+    [
+        ("tiny-qwen3-vl", 224, 16, 14),  # Qwen3-VL's 65,536-pixel minimum scales 224² up to 256²
+        ("tiny-qwen3-vl", 896, 56, 56),
+        ("tiny", 224, 16, 16),  # Qwen2.5-VL, patch 14: the processor keeps 224²
+        ("tiny", 896, 64, 64),
+    ],
+)
+def test_workload_grids_as_the_processor_sizes_images(model, side, processor, raw):
+    """The engine benchmark's NxS workloads are S² images as the model's processor sizes them; `raw` is the grid of
+    S // patch that the benchmark used before (a size Qwen3-VL's processor never makes from 224²)."""
+    import encoder
+    from benchmarks.common import grid_side
+    from benchmarks.engine import workload_grid
+
+    enc = encoder.load(model, device="cpu", dtype=torch.float32)
+    assert grid_side(enc, side) == processor and grid_side(enc, side, raw=True) == raw
+    assert enc.num_patches(side, side) == processor**2
+    if side == 224:
+        assert workload_grid(enc, "32x224") == [[1, processor, processor]] * 32
