@@ -254,7 +254,8 @@ class BucketTable:
 
 
 def default_table(max_budget: int = MAX_BUDGET, min_budget: int = 256) -> BucketTable:
-    """The engine's default: one 224x224 image (`min_budget`: 256 patches at patch 14, 196 at patch 16)
+    """The engine's default: one 224x224 image as the model's processor sizes it (`min_budget`: 256 patches for
+    Qwen2.5-VL at patch 14, and for Qwen3-VL at patch 16, whose processor scales 224² up to 256²)
     times the powers of two, up to `max_budget` patches (a batch that fills the GPU); up to one image per
     64 patches (112x112), at most 256 images per replay. Budgets on a model's own 224^2 unit keep common
     batches (n images of 224 * 2^k pixels a side) exactly at a bucket's budget, with no padding."""

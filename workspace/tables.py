@@ -105,7 +105,7 @@ def engine_table(
     """
     cap = min(MAX_BUDGET, max_graph_tokens or MAX_BUDGET)
     if buckets is None and max_images is not None:  # the default budgets with a fixed image count
-        if shape.patches_per_image is None:  # on the model's own 224^2 unit, as `default_table` (196 at patch 16)
+        if shape.patches_per_image is None:  # on the model's own 224^2 unit (its processor's size), as `default_table`
             default = default_table(max_budget=cap, min_budget=shape.unit_patches)
             return BucketTable(BucketKey(key.budget, max_images) for key in default.keys)
         buckets = f"pow2:256-{1 << (max(256, cap).bit_length() - 1)}"
