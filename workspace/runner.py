@@ -346,10 +346,8 @@ class GraphRunner:
         # what no bucket fits: the same body over exactly these images (one frame slot per frame)
         idx = list(pack.indices)
         sub = [grid[i] for i in idx]
-        if idx == list(range(idx[0], idx[-1] + 1)):  # consecutive images: one slice of the packed input, no copy
-            src = pixel_values[starts[idx[0]] : starts[idx[-1] + 1]].to(self.device)
-        else:
-            src = torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in idx]).to(self.device)
+        # packs hold consecutive images (`BucketTable.pack`): one slice of the packed input, as in _run_bucket
+        src = pixel_values[starts[idx[0]] : starts[idx[-1] + 1]].to(self.device)
         # pinned and non-blocking, as in _run_bucket: a pageable upload would wait for every replay already
         # queued, so the host could not launch this forward while the GPU runs the previous batch
         frames = frames_of(torch.tensor(sub))
